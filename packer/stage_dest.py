@@ -319,10 +319,6 @@ def epoch_in_place(d: Path, want: dict) -> bool:
         return False
 
 
-def epoch_tokens(d: Path) -> int:
-    return int(small_json(d / MANIFEST)["tokens"])
-
-
 # A run's settings, in the order a difference is named: what the user chose before what follows from it.
 _CHOSEN = ("packing", "seed", "sources", "weights", "seq_len", "jitter", "schedule", "shard_samples", "samples")
 

@@ -106,14 +106,15 @@ class Source:
             "cannot read the source", file=where, expected="a readable file", found=f"{type(e).__name__}: {e}"
         )
 
-    def manifest(self, rel_dir: str, kind=None) -> dict:
+    def manifest(self, rel_dir: str, kind=None, raw: bool = False):
+        """The manifest in `rel_dir`, parsed and checked; with `raw`, (it, its bytes as written)."""
         rel = join_rel(rel_dir, MANIFEST)
         where = self.at(rel)
         if rel_dir:  # an epoch directory of the run: inside it, not a symlink out
             contained(self.root, rel_dir, manifest=self.root / MANIFEST, where=f"epochs ({rel_dir})", regular=False)
         try:
             with self.open(rel) as f:
-                raw = f.read(MAX_MANIFEST_BYTES + 1)  # parse_manifest refuses more
+                data = f.read(MAX_MANIFEST_BYTES + 1)  # parse_manifest refuses more
         except FileNotFoundError:
             if rel_dir:
                 raise TokpackError(
@@ -134,9 +135,9 @@ class Source:
                 found=e.found if isinstance(e, TokpackError) else f"{type(e).__name__}: {e}",
                 hint="check the path or URL, and the credentials of its filesystem",
             ) from None
-        manifest = parse_manifest(raw, where, kind)
+        manifest = parse_manifest(data, where, kind)
         require_valid(manifest, self.root / rel_dir if rel_dir else self.root)
-        return manifest
+        return (manifest, data) if raw else manifest
 
 
 # ------------------------------------------------------------------------ arguments
@@ -447,8 +448,9 @@ def make_plan(src: Source, epochs=None, ranks=None, micro_batch: int = 1) -> tup
     for e, m in zip(chosen, manifests):
         rel = epoch_dir_name(e)
         offset = None if numbering is None else numbering.first(e)
-        jobs, skipped = shard_jobs(m, rel, _rank_keep(m, offset, end, ranks, micro_batch), root=src.root)
-        plans.append(DirPlan(rel, m, jobs, skipped))
+        plans.append(
+            DirPlan(rel, m, *shard_jobs(m, rel, _rank_keep(m, offset, end, ranks, micro_batch), root=src.root))
+        )
     run = {**root, "epochs": list(chosen)}
     if chosen != available:  # the run's totals cover the epochs it lists
         staged = [upgrade(p.manifest) for p in plans]
@@ -459,8 +461,7 @@ def make_plan(src: Source, epochs=None, ranks=None, micro_batch: int = 1) -> tup
         # shuffle --holdout's held-out documents (an epoch directory the run never lists) come
         # with a copy of the run's epochs: eval reads them beside the training epochs
         held = src.manifest(HOLDOUT_DIR, kind=EPOCH)
-        jobs, skipped = shard_jobs(held, HOLDOUT_DIR, root=src.root)
-        plans.append(DirPlan(HOLDOUT_DIR, held, jobs, skipped))
+        plans.append(DirPlan(HOLDOUT_DIR, held, *shard_jobs(held, HOLDOUT_DIR, root=src.root)))
     plans.append(DirPlan("", run))
     return kind, plans
 
