@@ -144,15 +144,11 @@ class Source:
 
 # The largest W of --shards-of r/W: bigger than any cluster, small enough that a list of ranks fits in memory.
 MAX_WORLD_SIZE = 1 << 20
+EPOCHS_HINT = f"epochs are numbered 0 to {MAX_EPOCHS - 1}; give those of the run"
 
 
 def parse_epochs(
-    spec,
-    *,
-    limit: int = MAX_EPOCHS,
-    option: str = "--epochs",
-    what: str = "epoch number",
-    hint: str = f"epochs are numbered 0 to {MAX_EPOCHS - 1}; give those of the run",
+    spec, *, limit: int = MAX_EPOCHS, option: str = "--epochs", what: str = "epoch number"
 ) -> list[int] | None:
     """'0,1' / '0-3' / '0-2,5' / [0, 1] -> sorted epoch numbers; None -> None (all). Every
     number is checked against `limit` before a range is expanded."""
@@ -162,7 +158,7 @@ def parse_epochs(
         spec = [spec]
     if not isinstance(spec, str):
         numbers = {int(e) for e in spec}
-        at_most(max(numbers, default=0), limit - 1, what, where=option, hint=hint)
+        at_most(max(numbers, default=0), limit - 1, what, where=option, hint=EPOCHS_HINT)
         return sorted(numbers)
     spans = []
     try:
@@ -172,7 +168,7 @@ def parse_epochs(
     except ValueError:
         raise TokpackError(f"bad {option}", where=option, expected="e.g. '0,1' or '0-3'", found=spec) from None
     for _, hi in spans:
-        at_most(hi, limit - 1, what, where=option, hint=hint)
+        at_most(hi, limit - 1, what, where=option, hint=EPOCHS_HINT)
     out = {e for lo, hi in spans for e in range(lo, hi + 1)}
     if not out:
         raise TokpackError(f"bad {option}", where=option, expected="at least one epoch", found=spec)
