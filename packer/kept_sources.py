@@ -29,6 +29,7 @@ from tokpack.formats.io.gate import iter_mapped, open_new, read_limited
 from tokpack.formats.constants import MANIFEST, MAX_MANIFEST_BYTES, RUN, SOURCE
 from tokpack.formats.reading import canonical_bytes, read_manifest
 from tokpack.packer.node_dest import node_dest
+from tokpack.packer.stage_dest import in_place
 from tokpack.shuffle.plan import is_virtual
 from tokpack.shuffle.sources import open_source, source_location
 from tokpack.shuffle.epoch_job import source_changed_error
@@ -73,7 +74,7 @@ def kept_folder(keep_sources, node: int, dest, out, sources, schedule=None) -> P
     inside = Path(keep).resolve()
     for what, place in places:
         folder = Path(local_path(place) or place).resolve()
-        if inside == folder or folder in inside.parents:
+        if inside.is_relative_to(folder):
             raise TokpackError(
                 f"{OPTION} DIR is inside {what}",
                 file=keep,
@@ -99,7 +100,7 @@ def keep_sources(
     wanted = _wanted(sources, need, padded and shared)
     try:
         missing = sum(
-            size for s, name, size, _, _ in wanted if not _there(folder / sources[s].fingerprint / name, size)
+            size for s, name, size, _, _ in wanted if not in_place(folder / sources[s].fingerprint / name, size)
         )
         check_space([(folder, missing)], f"shuffle {OPTION}", hint=_FULL_HINT)
         return _keep(sources, wanted, folder, shared)
@@ -129,8 +130,7 @@ def _inside(name, folder: Path) -> bool:
     """Whether the file an OSError names lies in `folder` (not a source it was reading)."""
     if name is None:
         return False
-    path, folder = Path(os.fsdecode(name)).absolute(), Path(folder).absolute()
-    return path == folder or folder in path.parents
+    return Path(os.fsdecode(name)).absolute().is_relative_to(Path(folder).absolute())
 
 
 _FULL_HINT = (
@@ -153,10 +153,6 @@ def _wanted(sources, need, padded: bool) -> list[tuple[int, str, int, str, int |
                 for shard in src.shards
             ]
     return wanted
-
-
-def _there(path: Path, size: int) -> bool:
-    return path.is_file() and path.stat().st_size == size
 
 
 def _keep(sources: list, wanted: list[tuple], folder: Path, shared: bool = True) -> tuple[list, int]:
@@ -191,7 +187,7 @@ def _keep_file(src, name: str, size: int, want: str, folder: Path) -> tuple[int,
     again. Only the source's own bytes failing the checksum blame the source. Returns (the
     bytes copied, whether the copy's bytes were hashed now)."""
     target = folder / name
-    if _there(target, size):
+    if in_place(target, size):
         if _stamp(target) in _VERIFIED:
             return 0, False
         if file_xxh3_128(target, size) == want:

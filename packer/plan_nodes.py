@@ -314,7 +314,7 @@ def plan_to_nodes(
     from tokpack.packer.node_dest import dest_template, local_dirs, node_dest, run_numbering
     from tokpack.shuffle import packings
     from tokpack.packer.slicing import SLICE_ENTRY_BYTES, SLICE_HEADER_BYTES, slice_ranks
-    from tokpack.packer.stage_dest import on_disk
+    from tokpack.packer.stage_dest import in_place, on_disk
     from tokpack.shuffle.run import repeat_warnings, setup_run
 
     dest, keep_sources, memory = spec.nodes.dest, spec.nodes.keep_sources, spec.memory
@@ -408,11 +408,7 @@ def plan_to_nodes(
             if keeps[n] is not None:
                 for fingerprint, name, size in f["kept_shards"]:
                     there = keeps[n] / fingerprint / name
-                    if (
-                        (fingerprint, name) not in have[n]
-                        and not assumed
-                        and not (there.is_file() and there.stat().st_size == size)
-                    ):
+                    if (fingerprint, name) not in have[n] and not assumed and not in_place(there, size):
                         kept_now += size  # kept_sources._keep_file copies it: read from shared, written here
                     have[n][fingerprint, name] = size
                 t["kept_source_bytes"] = sum(have[n].values())

@@ -37,7 +37,7 @@ from tokpack.packer.lifetime import children_bound, set_parent_death_signal
 from tokpack.packer.rank_files import RankFiles, ready_epoch_dir
 from tokpack.packer.shared import Result
 from tokpack.packer.stage_dest import epoch_in_place
-from tokpack.packer.slicing import slice_ranks
+from tokpack.packer.stage_plan import parse_epochs, slice_ranks
 from tokpack.packer.source_reads import SourceReader
 from tokpack.shuffle import packings
 from tokpack.shuffle.sources import open_source
@@ -93,8 +93,6 @@ def stage_replacement(
     (and best-fit padding) and fed to the rank files in increasing position; the exchange's bytes.
     `workers` processes (`stage --workers`) rebuild it at once, each the rank files of a share of
     the node's ranks within `memory // workers`: a node's CPU, as its exchange's P processes."""
-    from tokpack.packer.staging import parse_epochs
-
     t0 = time.perf_counter()
     memory = DEFAULT_MEMORY if memory is None else int(memory)
     out, dest = Path(run_dir), Path(dest)
@@ -272,8 +270,7 @@ class SourceRows:
         packing = packings.of_manifest(m)
         self.epoch_dir, self.m, self.work, self.packing = Path(epoch_dir), m, Path(work), packing
         self.padded = packing.padded  # rows from the row table's pieces, and their padding
-        opened = [open_source(src["path"]) if int(src["samples"]) or self.padded else None for src in m["sources"]]
-        self.sources = [src for src in opened if src is not None]
+        self.sources = [open_source(src["path"]) for src in m["sources"] if int(src["samples"]) or self.padded]
         self.dtype = self.sources[0].dtype
         self.plan = packing.from_manifest(m, self.sources, memory)
         self.row = self.plan.row_tokens

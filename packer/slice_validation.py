@@ -143,9 +143,7 @@ def slice_against_run(path: Path, root: dict, run_path, rep, block: int = IO_BLO
     rows = RankRows(root["world_size"], root["micro_batch"], root["batch_phase"])
     numbering = EpochNumbering.of_run(run, run_path)
     row_bytes = row_bytes_of(root)
-    buf = np.empty(
-        (max(1, block // row_bytes, rows.micro_batch), row_bytes), dtype=np.uint8
-    )  # a chunk: whole micro-batches
+    buf = np.empty((max(1, block // row_bytes, rows.micro_batch), row_bytes), dtype=np.uint8)  # whole micro-batches
     for e in root["epochs"]:
         d, rd = path / epoch_dir_name(e), run_path / epoch_dir_name(e)
         try:

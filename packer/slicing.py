@@ -34,7 +34,7 @@ from tokpack.formats.errors import TokpackError
 from tokpack.formats.guard import check_space, is_no_space, locked_output
 from tokpack.formats.io.gate import IO_BLOCK, regular_fd
 from tokpack.formats.io.reads import Worker, read_full
-from tokpack.formats.reading import canonical_bytes, parse_manifest
+from tokpack.formats.reading import canonical_bytes
 from tokpack.formats.packing import has_pad
 from tokpack.formats.checks import row_bytes_of
 from tokpack.formats.constants import EPOCH, MANIFEST, PAD_DTYPE, PAD_SUFFIX, ROWS_SUFFIX, RUN, SLICE, U64
@@ -47,7 +47,7 @@ from tokpack.formats.slices import RankRows, run_identity, slice_epoch_manifest,
 
 from tokpack.packer.rank_files import RankFiles, ready_epoch_dir
 from tokpack.packer.shared import Result
-from tokpack.packer.stage_dest import epoch_in_place, epoch_tokens, local_dest, on_disk, previous_slice
+from tokpack.packer.stage_dest import epoch_in_place, local_dest, on_disk, previous_slice, small_json
 from tokpack.packer.stage_plan import Source, parse_epochs, slice_ranks
 from tokpack.shuffle.packings import of_manifest
 
@@ -158,22 +158,25 @@ class _Reads:
 class _EpochStager:
     """Copies one epoch's rows of the node's ranks into their rank files, verified row by row."""
 
-    def __init__(self, reads: _Reads, rel: str, manifest: dict, rows: RankRows, ranks: tuple[int, int], first: int):
-        self.reads, self.rel, self.m = reads, rel, manifest
+    def __init__(self, reads: _Reads, rel: str, m: dict, rows: RankRows, ranks: tuple[int, int], first: int):
+        self.reads, self.rel, self.m = reads, rel, m
         self.rows, self.ranks, self.first = rows, ranks, first
-        self.shards = manifest["shards"]
-        self.per_shard = int(manifest["shard_samples"])
-        self.row_bytes = row_bytes_of(manifest)
+        self.shards = m["shards"]
+        self.per_shard = int(m["shard_samples"])
+        self.row_bytes = row_bytes_of(m)
         # Row hashes and padding as the run records them, each sidecar checked before use.
         self.facts = RowFacts(
-            manifest,
+            m,
             self.row_bytes,
             lambda i, suffix, size: [reads.whole(self.shard_path(i) + suffix, size)],
             reads.src.at(rel),
             "the run's file is corrupt: run `tokpack validate` on the run; nothing was kept",
         )
         self.by_rows = all("rows_xxh3_128" in s for s in self.shards)
-        self.packed = of_manifest(manifest).padded  # its rank files get a `.ds.pad` (best-fit)
+        self.packed = of_manifest(m).padded  # its rank files get a `.ds.pad` (best-fit)
+        self.format = EpochShardFormat(
+            dtype_from_name(m["dtype"]), int(m["seq_len"]), int(m["eos_id"]), m["tokenizer"], padded=self.packed
+        )
         for s in self.shards:
             reads.sizes.update((f"{rel}/{name}", size) for name, size in run_files(s, self.row_bytes))
 
@@ -434,10 +437,7 @@ def stage_slice(directory, dest, *, epochs=None, workers: int = 4, log=None, **r
         try:
             for e in chosen:
                 rel = epoch_dir_name(e)
-                src.manifest(rel, kind=EPOCH)  # one line for a missing or broken manifest
-                with src.open(f"{rel}/{MANIFEST}") as fh:
-                    raw = fh.read()
-                m = parse_manifest(raw, src.at(f"{rel}/{MANIFEST}"), EPOCH)
+                m, raw = src.manifest(rel, kind=EPOCH, raw=True)
                 first = numbering.first(e)
                 if int(m["samples"]) != numbering.size(e) or int(m["seq_len"]) != int(run["seq_len"]):
                     raise TokpackError(
@@ -462,16 +462,9 @@ def stage_slice(directory, dest, *, epochs=None, workers: int = 4, log=None, **r
                         f"shards whole, about {w / (b - a + 1):.0f}x the slice's bytes; rewrite the epoch with this "
                         "tokpack to stage only the slice"
                     )
-                fmt = EpochShardFormat(
-                    dtype_from_name(m["dtype"]),
-                    int(m["seq_len"]),
-                    int(m["eos_id"]),
-                    m["tokenizer"],
-                    padded=stager.packed,
-                )
                 files = None
                 try:
-                    files = RankFiles(output, d, rows, first, (a, b), e, fmt, mine=range(a, b + 1))
+                    files = RankFiles(output, d, rows, first, (a, b), e, stager.format, mine=range(a, b + 1))
                     kept_rows += stager.run(files.writers)
                     entries = files.close()
                 except BaseException as err:
@@ -499,7 +492,7 @@ def stage_slice(directory, dest, *, epochs=None, workers: int = 4, log=None, **r
         finally:
             reads.close()
     root["epochs"] = sorted(set(previous) | set(chosen))
-    root["tokens"] = sum(epoch_tokens(dest / epoch_dir_name(e)) for e in root["epochs"])
+    root["tokens"] = sum(int(small_json(dest / epoch_dir_name(e) / MANIFEST)["tokens"]) for e in root["epochs"])
     output.finish(dest, root)
     seconds = time.perf_counter() - t0
     kept = kept_rows * row_bytes

@@ -128,8 +128,7 @@ def _check_unvouched(dest: Path, p: DirPlan) -> None:
     folder = dest / p.rel if p.rel else dest
     if (folder / MANIFEST).is_file() or not folder.is_dir():
         return
-    every, _ = shard_jobs(p.manifest, "")  # every shard's files, those --shards-of leaves out too
-    sizes = {j.rel: j.size for j in every}
+    sizes = {j.rel: j.size for j in shard_jobs(p.manifest, "")[0]}  # every shard's files, --shards-of's left out too
     matched, other = 0, []
     for f in sorted(folder.iterdir()):
         if f.name == MANIFEST or is_tmp_name(f.name) or not is_own_file(f):
@@ -317,10 +316,6 @@ def epoch_in_place(d: Path, want: dict) -> bool:
         )
     except (OSError, KeyError, TypeError):
         return False
-
-
-def epoch_tokens(d: Path) -> int:
-    return int(small_json(d / MANIFEST)["tokens"])
 
 
 # A run's settings, in the order a difference is named: what the user chose before what follows from it.

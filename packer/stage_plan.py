@@ -106,14 +106,15 @@ class Source:
             "cannot read the source", file=where, expected="a readable file", found=f"{type(e).__name__}: {e}"
         )
 
-    def manifest(self, rel_dir: str, kind=None) -> dict:
+    def manifest(self, rel_dir: str, kind=None, raw: bool = False):
+        """The manifest in `rel_dir`, parsed and checked; with `raw`, (it, its bytes as written)."""
         rel = join_rel(rel_dir, MANIFEST)
         where = self.at(rel)
         if rel_dir:  # an epoch directory of the run: inside it, not a symlink out
             contained(self.root, rel_dir, manifest=self.root / MANIFEST, where=f"epochs ({rel_dir})", regular=False)
         try:
             with self.open(rel) as f:
-                raw = f.read(MAX_MANIFEST_BYTES + 1)  # parse_manifest refuses more
+                data = f.read(MAX_MANIFEST_BYTES + 1)  # parse_manifest refuses more
         except FileNotFoundError:
             if rel_dir:
                 raise TokpackError(
@@ -134,24 +135,20 @@ class Source:
                 found=e.found if isinstance(e, TokpackError) else f"{type(e).__name__}: {e}",
                 hint="check the path or URL, and the credentials of its filesystem",
             ) from None
-        manifest = parse_manifest(raw, where, kind)
+        manifest = parse_manifest(data, where, kind)
         require_valid(manifest, self.root / rel_dir if rel_dir else self.root)
-        return manifest
+        return (manifest, data) if raw else manifest
 
 
 # ------------------------------------------------------------------------ arguments
 
 # The largest W of --shards-of r/W: bigger than any cluster, small enough that a list of ranks fits in memory.
 MAX_WORLD_SIZE = 1 << 20
+EPOCHS_HINT = f"epochs are numbered 0 to {MAX_EPOCHS - 1}; give those of the run"
 
 
 def parse_epochs(
-    spec,
-    *,
-    limit: int = MAX_EPOCHS,
-    option: str = "--epochs",
-    what: str = "epoch number",
-    hint: str = f"epochs are numbered 0 to {MAX_EPOCHS - 1}; give those of the run",
+    spec, *, limit: int = MAX_EPOCHS, option: str = "--epochs", what: str = "epoch number"
 ) -> list[int] | None:
     """'0,1' / '0-3' / '0-2,5' / [0, 1] -> sorted epoch numbers; None -> None (all). Every
     number is checked against `limit` before a range is expanded."""
@@ -161,7 +158,7 @@ def parse_epochs(
         spec = [spec]
     if not isinstance(spec, str):
         numbers = {int(e) for e in spec}
-        at_most(max(numbers, default=0), limit - 1, what, where=option, hint=hint)
+        at_most(max(numbers, default=0), limit - 1, what, where=option, hint=EPOCHS_HINT)
         return sorted(numbers)
     spans = []
     try:
@@ -171,7 +168,7 @@ def parse_epochs(
     except ValueError:
         raise TokpackError(f"bad {option}", where=option, expected="e.g. '0,1' or '0-3'", found=spec) from None
     for _, hi in spans:
-        at_most(hi, limit - 1, what, where=option, hint=hint)
+        at_most(hi, limit - 1, what, where=option, hint=EPOCHS_HINT)
     out = {e for lo, hi in spans for e in range(lo, hi + 1)}
     if not out:
         raise TokpackError(f"bad {option}", where=option, expected="at least one epoch", found=spec)
@@ -447,8 +444,9 @@ def make_plan(src: Source, epochs=None, ranks=None, micro_batch: int = 1) -> tup
     for e, m in zip(chosen, manifests):
         rel = epoch_dir_name(e)
         offset = None if numbering is None else numbering.first(e)
-        jobs, skipped = shard_jobs(m, rel, _rank_keep(m, offset, end, ranks, micro_batch), root=src.root)
-        plans.append(DirPlan(rel, m, jobs, skipped))
+        plans.append(
+            DirPlan(rel, m, *shard_jobs(m, rel, _rank_keep(m, offset, end, ranks, micro_batch), root=src.root))
+        )
     run = {**root, "epochs": list(chosen)}
     if chosen != available:  # the run's totals cover the epochs it lists
         staged = [upgrade(p.manifest) for p in plans]
@@ -459,8 +457,7 @@ def make_plan(src: Source, epochs=None, ranks=None, micro_batch: int = 1) -> tup
         # shuffle --holdout's held-out documents (an epoch directory the run never lists) come
         # with a copy of the run's epochs: eval reads them beside the training epochs
         held = src.manifest(HOLDOUT_DIR, kind=EPOCH)
-        jobs, skipped = shard_jobs(held, HOLDOUT_DIR, root=src.root)
-        plans.append(DirPlan(HOLDOUT_DIR, held, jobs, skipped))
+        plans.append(DirPlan(HOLDOUT_DIR, held, *shard_jobs(held, HOLDOUT_DIR, root=src.root)))
     plans.append(DirPlan("", run))
     return kind, plans
 

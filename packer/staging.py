@@ -407,8 +407,7 @@ def stage(
         if p.rel != "" and not p.jobs:
             output.finish(dest / p.rel, p.manifest)
     missing = partial_sidecar(dest, plans, ranks, micro_batch, output)
-    root = next(p for p in plans if p.rel == "")
-    output.finish(dest, root.manifest)  # like every manifest: the directory is fsync'd before and after
+    output.finish(dest, plans[-1].manifest)  # the root (make_plan's last); the directory fsync'd before and after
 
     seconds = time.perf_counter() - t0
     moved = stager.bytes_copied + stager.bytes_verified

@@ -287,7 +287,6 @@ GATE_ALLOWED = {
     ("packer/executors.py", "fs.open"): "the remote side of a download (an fsspec object, not a local file)",
     ("packer/stage_plan.py", "self.open"): "stage_plan.Source.open, which opens through the gate",
     ("packer/staging.py", "self.src.open"): "staging.Source.open, which opens through the gate",
-    ("packer/slicing.py", "src.open"): "staging.Source.open, which opens through the gate",
     ("formats/inputs/jsonl.py", "gzip.open"): "decompresses a stream the gate opened (its argument is a file object)",
     ("formats/io/memory.py", "mmap.mmap"): "an anonymous mapping (descriptor -1): memory, no file",
     ("loader/handoff.py", "os.open"): "a batch's buffer in /dev/shm (shared memory, made by a DataLoader worker "
