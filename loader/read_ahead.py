@@ -53,12 +53,11 @@ class ReadAhead:
         if self._done:
             raise StopIteration
         try:
-            got = self._ready.get_nowait()
+            item, err = self._ready.get_nowait()
         except queue.Empty:
             self._asked.set()
-            got = self._ready.get()
+            item, err = self._ready.get()
         self._asked.clear()
-        item, err = got
         if err is not None or item is _END:
             self._done = True
             self.close()

@@ -378,16 +378,29 @@ def _run(node: Node, spec: ShuffleSpec, out: Path, dests, template: str, ranks, 
             output.finish(d, want)
 
         node.together(commit_slice_epoch)
-        node_figures = {
-            "rounds": rounds,
-            "buckets": 0 if layout is None else len(layout.bucket_starts) - 1,  # 0: in memory
-            "rows_kept": sum(s["samples"] for s in entries),  # this process's (its node's, P = 1)
-            "source_bytes_kept_now": kept,
-            "tokens_kept": sum(s["tokens"] for s in entries),
-            "seconds": round(time.perf_counter() - e0, 3),
-            "phases": phases.summary(process_cpu() - cpu0),
-        }
-        summaries.append(epoch_detail(job, setup.runplan.stage_name(epoch), report, manifest, entries, node_figures))
+        # A plain shuffle's epochs_detail entry (run_epoch's), its bytes those of this node's
+        # slice, then what only a node has (its rounds, buckets...).
+        summaries.append(
+            {
+                "epoch": job.plan.epoch,
+                "path": PATH,
+                "samples": job.plan.samples,
+                "shards": job.n_shards,
+                "shards_reused": 0,
+                "bytes_written": sum(int(e["bytes"]) for e in entries),
+                "sample_multiset_hash": manifest["sample_multiset_hash"],
+                "packing": packings.shown(manifest),
+                "stage": setup.runplan.stage_name(epoch),
+                "sources": report,
+                "rounds": rounds,
+                "buckets": 0 if layout is None else len(layout.bucket_starts) - 1,  # 0: in memory
+                "rows_kept": sum(s["samples"] for s in entries),  # this process's (its node's, P = 1)
+                "source_bytes_kept_now": kept,
+                "tokens_kept": sum(s["tokens"] for s in entries),
+                "seconds": round(time.perf_counter() - e0, 3),
+                "phases": phases.summary(process_cpu() - cpu0),
+            }
+        )
 
     def commit_root():
         if not node.leader:
@@ -470,21 +483,3 @@ def counted(reads, bar, size):
     for item in reads:
         bar.update(size(item))
         yield item
-
-
-def epoch_detail(job, stage, report: list[dict], manifest: dict, entries: list[dict], extra: dict) -> dict:
-    """One epoch's entry of the summary: a plain shuffle's epochs_detail entry (run_epoch's), its
-    bytes those of this node's slice, and `extra` (the node's rounds, buckets...)."""
-    return {
-        "epoch": job.plan.epoch,
-        "path": PATH,
-        "samples": job.plan.samples,
-        "shards": job.n_shards,
-        "shards_reused": 0,
-        "bytes_written": sum(int(e["bytes"]) for e in entries),
-        "sample_multiset_hash": manifest["sample_multiset_hash"],
-        "packing": packings.shown(manifest),
-        "stage": stage,
-        "sources": report,
-        **extra,
-    }

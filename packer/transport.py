@@ -167,16 +167,11 @@ def to_launcher(line: str) -> None:
     data = line.encode(errors="replace")
     parent = os.getppid()
     if _name(parent) in LAUNCHERS:
-        try:
+        with suppress(OSError):  # not written there: to ours
             fd = os.open(f"/proc/{parent}/fd/2", os.O_WRONLY | os.O_APPEND)
-        except OSError:
-            pass
-        else:
             try:
                 os.write(fd, data)
                 return
-            except OSError:
-                pass
             finally:
                 os.close(fd)
     with suppress(OSError):
@@ -373,7 +368,9 @@ def exchange_rounds(comm, MPI, reads, per_round: int, row: int, dtype, route, de
                 if not pending or (take and not take[-1][3]):
                     break
                 pieces, tokens, starts, held = pending[0]
-                end = _round_end(pieces["length"], per_round - count)
+                # about per_round tokens of whole pieces, at least one
+                ends = np.cumsum(pieces["length"], dtype=np.int64)
+                end = max(1, int(np.searchsorted(ends, per_round - count, side="right")))
                 take.append((pieces[:end], tokens, starts[:end], held))
                 count += int(pieces["length"][:end].sum(dtype=np.int64))
                 pending[0:1] = [] if end == len(pieces) else [(pieces[end:], tokens, starts[end:], held)]
@@ -399,12 +396,6 @@ def _delivered(delivering, call) -> Exception | None:
 
 def _held(e: Exception) -> Exception:
     return as_error(e) if isinstance(e, (TokpackError, OSError)) else e
-
-
-def _round_end(lengths: np.ndarray, per_round: int) -> int:
-    """How many of the pieces (their `lengths`) one round sends: about per_round tokens, at least one."""
-    ends = np.cumsum(lengths, dtype=np.int64)
-    return max(1, int(np.searchsorted(ends, per_round, side="right")))
 
 
 def _agree(comm, count: int, failure, per_node: int = 1) -> bool:
