@@ -58,11 +58,8 @@ def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
     """Asks the kernel to send `sig` to this process when its parent thread exits (Linux only)."""
     if not sys.platform.startswith("linux"):
         return
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
-    except (OSError, AttributeError):
-        return
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
 
 
 def _before_fork() -> None:

@@ -311,9 +311,10 @@ def peer_line(e: BaseException) -> str:
     return f"internal error (a bug in tokpack): {type(e).__name__}: {e}"
 
 
-def as_error(e: TokpackError | OSError) -> TokpackError:
-    """A local failure as the line its node reports (a full disk says so)."""
-    if isinstance(e, TokpackError):
+def as_error(e: Exception) -> Exception:
+    """A local failure as the line its node reports (a full disk says so); an exception that is
+    neither a TokpackError nor an OSError (a bug) as it is."""
+    if not isinstance(e, OSError):
         return e
     if is_no_space(e):  # a node's DEST (or kept sources) filled up
         return TokpackError(
@@ -361,7 +362,7 @@ def exchange_rounds(comm, MPI, reads, per_round: int, row: int, dtype, route, de
                     try:
                         item = next(reads, None)
                     except Exception as e:  # noqa: BLE001 - reported at the next round's allgather, where every process is
-                        failure, take, count = _held(e), [], 0
+                        failure, take, count = as_error(e), [], 0
                         break
                     exhausted = item is None
                     pending += [] if item is None else [item]
@@ -390,12 +391,8 @@ def _delivered(delivering, call) -> Exception | None:
     try:
         call()
     except Exception as e:  # noqa: BLE001 - reported at the next round's allgather, where every process is
-        return _held(e)
+        return as_error(e)
     return None
-
-
-def _held(e: Exception) -> Exception:
-    return as_error(e) if isinstance(e, (TokpackError, OSError)) else e
 
 
 def _agree(comm, count: int, failure, per_node: int = 1) -> bool:
