@@ -95,12 +95,10 @@ def _make(items, ready, room, asked, stop, pause_s: float) -> None:
     try:
         while True:
             room.acquire()
+            if not first and pause_s and not stop.is_set():
+                asked.wait(pause_s)
             if stop.is_set():
                 return
-            if not first and pause_s:
-                asked.wait(pause_s)
-                if stop.is_set():
-                    return
             first = False
             try:
                 item = next(items)

@@ -339,9 +339,8 @@ class SampleReader(ShardFiles):
 
     def require_batch(self, world_size: int, micro_batch: int, start: int) -> None:
         """One global batch of W*m samples must be left from `start`, else one line why not."""
-        if self.steps(world_size, micro_batch, start):
-            return
-        raise self.end_error(world_size, micro_batch, start)
+        if not self.steps(world_size, micro_batch, start):
+            raise self.end_error(world_size, micro_batch, start)
 
     def end_error(self, world_size: int, micro_batch: int, start: int) -> TokpackError:
         """Why no global batch of W*m samples is left from `start` (an epoch not written there,

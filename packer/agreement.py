@@ -124,9 +124,7 @@ def disagreement(
         values = [facts.get(name, "(none)") for facts in gathered]
         if len(set(values)) == 1:
             continue
-        counts = Counter(values)
-        top = max(counts.values())
-        usual = values[0] if counts[values[0]] == top else next(v for v in values if counts[v] == top)
+        usual = Counter(values).most_common(1)[0][0]  # of a tie, the first seen: node 0's if it is one
         odd = [k for k, v in enumerate(values) if v != usual]
         what = OPTION.get(name, name)
         return MismatchError(
