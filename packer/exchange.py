@@ -355,29 +355,25 @@ def _run(node: Node, spec: ShuffleSpec, out: Path, dests, template: str, ranks, 
 
         done_epochs = sorted(set(done_epochs) | {epoch})
 
-        def run_manifests():
-            if node.q != 0:
-                return
+        def run_manifests():  # process 0's
             by_shard = dict(entry for part in gathered for entry in part)
             manifest = epoch_manifest_of(job, [by_shard[i] for i in range(job.n_shards)], prepared)
             output.finish(job.epoch_dir, manifest)
             output.finish(out, setup.written_run_manifest(out, plan, done_epochs))
 
-        node.together(run_manifests)
+        node.together(lambda: run_manifests() if node.q == 0 else None)
 
         raw = node.together(lambda: read_raw(Path(job.epoch_dir) / MANIFEST))  # RUN's epoch manifest, as written
         manifest = node.together(lambda: parse_manifest(raw, job.epoch_dir, EPOCH))
 
         def commit_slice_epoch():  # the node's leader's, once every process of it wrote its rank files
-            if not node.leader:
-                return
             root = slice_root_of_run(out, ranks, w, micro_batch)[1]
             want = slice_epoch_manifest(root, epoch, plan.samples, first, raw)
             want["shards"] = node_entries
             want["tokens"] = sum(s["tokens"] for s in node_entries)
             output.finish(d, want)
 
-        node.together(commit_slice_epoch)
+        node.together(lambda: commit_slice_epoch() if node.leader else None)
         # A plain shuffle's epochs_detail entry (run_epoch's), its bytes those of this node's
         # slice, then what only a node has (its rounds, buckets...).
         summaries.append(
@@ -402,13 +398,11 @@ def _run(node: Node, spec: ShuffleSpec, out: Path, dests, template: str, ranks, 
             }
         )
 
-    def commit_root():
-        if not node.leader:
-            return None
+    def commit_root():  # the node's leader's
         root = slice_root_of_run(out, ranks, w, micro_batch)[1]
         return finish_slice_root(output, dest, root, set(previous) | set(skipped) | {s["epoch"] for s in summaries})
 
-    final = node.local.bcast(node.together(commit_root), root=0)
+    final = node.local.bcast(node.together(lambda: commit_root() if node.leader else None), root=0)
     log(
         f"shuffle --to-nodes: {N} node slices of ranks {k} a node{'' if P == 1 else f', {P} processes a node'}, "
         f"epochs {final['epochs']}; RUN {out} holds the manifests and row hashes"
