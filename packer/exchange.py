@@ -289,7 +289,6 @@ def _run(node: Node, spec: ShuffleSpec, out: Path, dests, template: str, ranks, 
     node.together(lambda: _declare_nodes(out, N, k, micro_batch, template) if node.q == 0 else None)
     # a schedule's numbering, fixed at creation (process 0 alone writes RUN's manifest)
     if node.q == 0 and setup.run_params is not None and setup.todo and not (out / MANIFEST).exists():
-        out.mkdir(parents=True, exist_ok=True)
         output.finish(out, setup.run_manifest({}, setup.todo[0][1]))
     summaries, skipped = [], []
     among = f"{N} nodes" if P == 1 else f"{N} nodes of {P} processes"
