@@ -511,7 +511,4 @@ class ShardFiles:
 
     def __getstate__(self):
         # File descriptors do not survive pickling (DataLoader workers): reopen lazily.
-        state = dict(self.__dict__)
-        state["_fds"] = {}
-        state["_hash_buf"] = None
-        return state
+        return {**self.__dict__, "_fds": {}, "_hash_buf": None}
