@@ -190,7 +190,6 @@ def shuffle_to_nodes(spec: ShuffleSpec, *, log=None) -> dict:
 
 def _shuffle_to_nodes(stop: OnSigterm, spec: ShuffleSpec, log) -> dict:
     output, dest, keep_sources = spec.output, spec.nodes.dest, spec.nodes.keep_sources
-    ranks_per_node, micro_batch = spec.nodes.ranks_per_node, spec.nodes.micro_batch
     MPI, comm = world()
     agree(comm, spec)  # before anything is written (and before the node's layout): every process runs this spec
     node = node_of_process(MPI, comm, spec.nodes.procs_per_node)
@@ -198,7 +197,7 @@ def _shuffle_to_nodes(stop: OnSigterm, spec: ShuffleSpec, log) -> dict:
     stop.attach(MPI, comm, node.P)
     log = log if node.q == 0 else None  # process 0's lines and bars stand for every node's
     t0 = time.perf_counter()
-    a, b, w = slice_ranks(node=f"{n}/{N}", ranks_per_node=ranks_per_node, micro_batch=micro_batch)
+    a, b, w = slice_ranks(node=f"{n}/{N}", ranks_per_node=spec.nodes.ranks_per_node, micro_batch=spec.nodes.micro_batch)
     template = dest_template(dest)
     dest = node_dest(dest, n)
     local_dirs("--to-nodes/-o", dest, output)
