@@ -29,6 +29,7 @@ from __future__ import annotations
 import importlib
 import itertools
 import numbers
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -252,10 +253,8 @@ class SampleReader(ShardFiles):
             run = {"kind": RUN} if (parent / MANIFEST).is_file() else {}
             nxt, numbering = max(self.table.epochs) + 1, None
             if run:
-                try:
+                with suppress(TokpackError, OSError):  # a run manifest this reader cannot read: the generic hint
                     numbering = EpochNumbering.of_run(read_manifest(parent), parent)
-                except (TokpackError, OSError):
-                    pass  # a run manifest this reader cannot read: the generic hint
             if numbering is not None and not numbering.has(nxt):  # a schedule that ends with these epochs
                 hint = _schedule_end_hint(numbering, parent)
             else:
