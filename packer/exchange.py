@@ -377,7 +377,7 @@ def _run(node: Node, spec: ShuffleSpec, out: Path, dests, template: str, ranks, 
         summaries.append(
             {
                 "epoch": job.plan.epoch,
-                "path": PATH,
+                "path": "to-nodes",  # where the epoch's tokens went
                 "samples": job.plan.samples,
                 "shards": job.n_shards,
                 "shards_reused": 0,
@@ -450,7 +450,6 @@ def _keep(node: Node, ne: NodeEpoch, keep: Path | None) -> int:
 # of sources drawn more than once), beside what only a node has (its slice, its rounds), and the
 # progress of the epoch's phases while they run (a bar on a terminal, lines in a log: node 0's,
 # whose share stands for every node's).
-PATH = "to-nodes"  # the summaries' "path": where the epoch's tokens went
 
 
 def reading_bar(ne, shown: bool):
