@@ -7,6 +7,7 @@ reads the rows), and nothing imports torch.
 
 from __future__ import annotations
 
+from contextlib import suppress
 
 import numpy as np
 
@@ -86,11 +87,9 @@ def fixed_boundaries(positions: np.ndarray, max_documents: int, first_row: int =
         g = first_row + int(over[0])
         where = f"sample {g}"
         if locate is not None:
-            try:
+            with suppress(IndexError):
                 epoch, sample = locate(g)
                 where += f" (epoch {epoch}, sample {sample})"
-            except IndexError:
-                pass
         raise TokpackError(
             "a row holds more documents than max_documents",
             where=where,

@@ -34,6 +34,7 @@ import os
 import secrets
 import time
 from collections import deque
+from contextlib import suppress
 from typing import Iterator
 
 import numpy as np
@@ -198,10 +199,8 @@ os.register_at_fork(after_in_child=_forget_names)
 
 def _remove(names) -> None:
     for name in list(names):  # a copy: the deque may still grow in another thread
-        try:
+        with suppress(OSError):  # opened (and removed) by the main process already
             os.unlink(name)
-        except OSError:  # opened (and removed) by the main process already
-            pass
 
 
 def _named_buffer(nbytes: int) -> tuple[torch.Tensor, list] | None:

@@ -53,12 +53,11 @@ class ReadAhead:
         if self._done:
             raise StopIteration
         try:
-            got = self._ready.get_nowait()
+            item, err = self._ready.get_nowait()
         except queue.Empty:
             self._asked.set()
-            got = self._ready.get()
+            item, err = self._ready.get()
         self._asked.clear()
-        item, err = got
         if err is not None or item is _END:
             self._done = True
             self.close()
@@ -96,12 +95,10 @@ def _make(items, ready, room, asked, stop, pause_s: float) -> None:
     try:
         while True:
             room.acquire()
+            if not first and pause_s and not stop.is_set():
+                asked.wait(pause_s)
             if stop.is_set():
                 return
-            if not first and pause_s:
-                asked.wait(pause_s)
-                if stop.is_set():
-                    return
             first = False
             try:
                 item = next(items)

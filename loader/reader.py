@@ -29,6 +29,7 @@ from __future__ import annotations
 import importlib
 import itertools
 import numbers
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -252,10 +253,8 @@ class SampleReader(ShardFiles):
             run = {"kind": RUN} if (parent / MANIFEST).is_file() else {}
             nxt, numbering = max(self.table.epochs) + 1, None
             if run:
-                try:
+                with suppress(TokpackError, OSError):  # a run manifest this reader cannot read: the generic hint
                     numbering = EpochNumbering.of_run(read_manifest(parent), parent)
-                except (TokpackError, OSError):
-                    pass  # a run manifest this reader cannot read: the generic hint
             if numbering is not None and not numbering.has(nxt):  # a schedule that ends with these epochs
                 hint = _schedule_end_hint(numbering, parent)
             else:
@@ -339,9 +338,8 @@ class SampleReader(ShardFiles):
 
     def require_batch(self, world_size: int, micro_batch: int, start: int) -> None:
         """One global batch of W*m samples must be left from `start`, else one line why not."""
-        if self.steps(world_size, micro_batch, start):
-            return
-        raise self.end_error(world_size, micro_batch, start)
+        if not self.steps(world_size, micro_batch, start):
+            raise self.end_error(world_size, micro_batch, start)
 
     def end_error(self, world_size: int, micro_batch: int, start: int) -> TokpackError:
         """Why no global batch of W*m samples is left from `start` (an epoch not written there,

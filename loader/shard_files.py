@@ -64,14 +64,13 @@ class ShardTable:
 
     def place(self, epoch_starts, epoch_ends, epochs: list[int], epoch_dirs: list[str], starts=None, ends=None):
         """The chain's epochs, and each shard's chained samples [starts, ends) (None: a node
-        slice's rank files, which SliceReader._segments places). Returns the table."""
+        slice's rank files, which SliceReader._segments places)."""
         self.epoch_starts = np.asarray(epoch_starts, dtype=np.int64)  # chained index of each epoch's first sample
         self.epoch_ends = np.asarray(epoch_ends, dtype=np.int64)  # chained index after each epoch's last sample
         self.epochs, self.epoch_dirs = epochs, epoch_dirs  # epoch numbers and directories, in chain order
         # int64 [n]: chained index of each shard's first sample, and after its last
         self.starts, self.ends = starts, ends
         self.pads = self.pads if any(self.pads) else None
-        return self
 
     def epoch_pos_of(self, g: int) -> int:
         """Position in `epochs` of the epoch holding g, or -1 when no chained epoch holds it."""
@@ -275,9 +274,9 @@ def chain_table(
         raise TokpackError("a run's epochs must be chained in increasing order", where="epochs", found=epoch_numbers)
     shard_ends = np.concatenate([start + np.cumsum(n) for start, n in zip(epoch_starts, samples)])
     shard_starts = shard_ends - np.concatenate(samples)
-    table = chain.place(epoch_starts, epoch_ends, epoch_numbers, [str(d) for d, _ in epochs], shard_starts, shard_ends)
+    chain.place(epoch_starts, epoch_ends, epoch_numbers, [str(d) for d, _ in epochs], shard_starts, shard_ends)
     seq_len, dtype, eos_id = shape
-    return table, seq_len, dtype, None if eos_id is None else int(eos_id)
+    return chain, seq_len, dtype, None if eos_id is None else int(eos_id)
 
 
 class ShardFiles:
@@ -512,7 +511,4 @@ class ShardFiles:
 
     def __getstate__(self):
         # File descriptors do not survive pickling (DataLoader workers): reopen lazily.
-        state = dict(self.__dict__)
-        state["_fds"] = {}
-        state["_hash_buf"] = None
-        return state
+        return {**self.__dict__, "_fds": {}, "_hash_buf": None}

@@ -51,14 +51,9 @@ def _doc_lens(batch: dict) -> torch.Tensor:
     segments a row of this batch has (OLMo-core's collator pads so)."""
     if "doc_lens" in batch:
         return batch["doc_lens"]
-    m, L = batch["input_ids"].shape
-    starts = batch["position_ids"] == 0
-    counts = starts.sum(dim=1)
-    lengths = _segment_lengths(batch).to(torch.int32)
-    out = torch.zeros((m, int(counts.max())), dtype=torch.int32)
-    slot = torch.arange(lengths.numel()) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
-    out[torch.repeat_interleave(torch.arange(m), counts), slot] = lengths
-    return out
+    counts = (batch["position_ids"] == 0).sum(dim=1).tolist()  # every row starts a segment: a row's are its own
+    lengths = _segment_lengths(batch).to(torch.int32).split(counts)
+    return torch.nn.utils.rnn.pad_sequence(lengths, batch_first=True)  # each row's, zero-padded to the longest
 
 
 def olmo_core_batch(batch: dict) -> dict:

@@ -69,17 +69,14 @@ def agree(comm, spec: ShuffleSpec, version: str = __version__) -> None:
     spec_facts. One allgather: a few KiB a process."""
     mine = together(comm, lambda: spec_facts(spec, version))
     gathered = comm.allgather(mine)
-    line = disagreement(gathered, per_node=_agreed_procs(gathered))
-    if line is not None:
-        raise line
-
-
-def _agreed_procs(gathered: list) -> int:
-    """Processes a node, to name each process by its node: --procs-per-node when every process
-    was given the same (else each is named by its world rank, as a node of one)."""
+    # Processes a node, to name each process by its node: --procs-per-node when every process was
+    # given the same (else each is named by its world rank, as a node of one).
     values = {facts.get("nodes.procs_per_node") if isinstance(facts, dict) else None for facts in gathered}
     given = values.pop() if len(values) == 1 else None
-    return int(given) if isinstance(given, str) and given.isdigit() and int(given) > 0 else 1
+    per_node = int(given) if isinstance(given, str) and given.isdigit() and int(given) > 0 else 1
+    line = disagreement(gathered, per_node=per_node)
+    if line is not None:
+        raise line
 
 
 def agree_sources(comm, opened, per_node: int = 1) -> None:
@@ -124,9 +121,7 @@ def disagreement(
         values = [facts.get(name, "(none)") for facts in gathered]
         if len(set(values)) == 1:
             continue
-        counts = Counter(values)
-        top = max(counts.values())
-        usual = values[0] if counts[values[0]] == top else next(v for v in values if counts[v] == top)
+        usual = Counter(values).most_common(1)[0][0]  # of a tie, the first seen: node 0's if it is one
         odd = [k for k, v in enumerate(values) if v != usual]
         what = OPTION.get(name, name)
         return MismatchError(

@@ -190,7 +190,6 @@ def shuffle_to_nodes(spec: ShuffleSpec, *, log=None) -> dict:
 
 def _shuffle_to_nodes(stop: OnSigterm, spec: ShuffleSpec, log) -> dict:
     output, dest, keep_sources = spec.output, spec.nodes.dest, spec.nodes.keep_sources
-    ranks_per_node, micro_batch = spec.nodes.ranks_per_node, spec.nodes.micro_batch
     MPI, comm = world()
     agree(comm, spec)  # before anything is written (and before the node's layout): every process runs this spec
     node = node_of_process(MPI, comm, spec.nodes.procs_per_node)
@@ -198,7 +197,7 @@ def _shuffle_to_nodes(stop: OnSigterm, spec: ShuffleSpec, log) -> dict:
     stop.attach(MPI, comm, node.P)
     log = log if node.q == 0 else None  # process 0's lines and bars stand for every node's
     t0 = time.perf_counter()
-    a, b, w = slice_ranks(node=f"{n}/{N}", ranks_per_node=ranks_per_node, micro_batch=micro_batch)
+    a, b, w = slice_ranks(node=f"{n}/{N}", ranks_per_node=spec.nodes.ranks_per_node, micro_batch=spec.nodes.micro_batch)
     template = dest_template(dest)
     dest = node_dest(dest, n)
     local_dirs("--to-nodes/-o", dest, output)
@@ -289,7 +288,6 @@ def _run(node: Node, spec: ShuffleSpec, out: Path, dests, template: str, ranks, 
     node.together(lambda: _declare_nodes(out, N, k, micro_batch, template) if node.q == 0 else None)
     # a schedule's numbering, fixed at creation (process 0 alone writes RUN's manifest)
     if node.q == 0 and setup.run_params is not None and setup.todo and not (out / MANIFEST).exists():
-        out.mkdir(parents=True, exist_ok=True)
         output.finish(out, setup.run_manifest({}, setup.todo[0][1]))
     summaries, skipped = [], []
     among = f"{N} nodes" if P == 1 else f"{N} nodes of {P} processes"
@@ -355,47 +353,54 @@ def _run(node: Node, spec: ShuffleSpec, out: Path, dests, template: str, ranks, 
 
         done_epochs = sorted(set(done_epochs) | {epoch})
 
-        def run_manifests():
-            if node.q != 0:
-                return
+        def run_manifests():  # process 0's
             by_shard = dict(entry for part in gathered for entry in part)
             manifest = epoch_manifest_of(job, [by_shard[i] for i in range(job.n_shards)], prepared)
             output.finish(job.epoch_dir, manifest)
             output.finish(out, setup.written_run_manifest(out, plan, done_epochs))
 
-        node.together(run_manifests)
+        node.together(lambda: run_manifests() if node.q == 0 else None)
 
         raw = node.together(lambda: read_raw(Path(job.epoch_dir) / MANIFEST))  # RUN's epoch manifest, as written
         manifest = node.together(lambda: parse_manifest(raw, job.epoch_dir, EPOCH))
 
         def commit_slice_epoch():  # the node's leader's, once every process of it wrote its rank files
-            if not node.leader:
-                return
             root = slice_root_of_run(out, ranks, w, micro_batch)[1]
             want = slice_epoch_manifest(root, epoch, plan.samples, first, raw)
             want["shards"] = node_entries
             want["tokens"] = sum(s["tokens"] for s in node_entries)
             output.finish(d, want)
 
-        node.together(commit_slice_epoch)
-        node_figures = {
-            "rounds": rounds,
-            "buckets": 0 if layout is None else len(layout.bucket_starts) - 1,  # 0: in memory
-            "rows_kept": sum(s["samples"] for s in entries),  # this process's (its node's, P = 1)
-            "source_bytes_kept_now": kept,
-            "tokens_kept": sum(s["tokens"] for s in entries),
-            "seconds": round(time.perf_counter() - e0, 3),
-            "phases": phases.summary(process_cpu() - cpu0),
-        }
-        summaries.append(epoch_detail(job, setup.runplan.stage_name(epoch), report, manifest, entries, node_figures))
+        node.together(lambda: commit_slice_epoch() if node.leader else None)
+        # A plain shuffle's epochs_detail entry (run_epoch's), its bytes those of this node's
+        # slice, then what only a node has (its rounds, buckets...).
+        summaries.append(
+            {
+                "epoch": job.plan.epoch,
+                "path": "to-nodes",  # where the epoch's tokens went
+                "samples": job.plan.samples,
+                "shards": job.n_shards,
+                "shards_reused": 0,
+                "bytes_written": sum(int(e["bytes"]) for e in entries),
+                "sample_multiset_hash": manifest["sample_multiset_hash"],
+                "packing": packings.shown(manifest),
+                "stage": setup.runplan.stage_name(epoch),
+                "sources": report,
+                "rounds": rounds,
+                "buckets": 0 if layout is None else len(layout.bucket_starts) - 1,  # 0: in memory
+                "rows_kept": sum(s["samples"] for s in entries),  # this process's (its node's, P = 1)
+                "source_bytes_kept_now": kept,
+                "tokens_kept": sum(s["tokens"] for s in entries),
+                "seconds": round(time.perf_counter() - e0, 3),
+                "phases": phases.summary(process_cpu() - cpu0),
+            }
+        )
 
-    def commit_root():
-        if not node.leader:
-            return None
+    def commit_root():  # the node's leader's
         root = slice_root_of_run(out, ranks, w, micro_batch)[1]
         return finish_slice_root(output, dest, root, set(previous) | set(skipped) | {s["epoch"] for s in summaries})
 
-    final = node.local.bcast(node.together(commit_root), root=0)
+    final = node.local.bcast(node.together(lambda: commit_root() if node.leader else None), root=0)
     log(
         f"shuffle --to-nodes: {N} node slices of ranks {k} a node{'' if P == 1 else f', {P} processes a node'}, "
         f"epochs {final['epochs']}; RUN {out} holds the manifests and row hashes"
@@ -445,7 +450,6 @@ def _keep(node: Node, ne: NodeEpoch, keep: Path | None) -> int:
 # of sources drawn more than once), beside what only a node has (its slice, its rounds), and the
 # progress of the epoch's phases while they run (a bar on a terminal, lines in a log: node 0's,
 # whose share stands for every node's).
-PATH = "to-nodes"  # the summaries' "path": where the epoch's tokens went
 
 
 def reading_bar(ne, shown: bool):
@@ -470,21 +474,3 @@ def counted(reads, bar, size):
     for item in reads:
         bar.update(size(item))
         yield item
-
-
-def epoch_detail(job, stage, report: list[dict], manifest: dict, entries: list[dict], extra: dict) -> dict:
-    """One epoch's entry of the summary: a plain shuffle's epochs_detail entry (run_epoch's), its
-    bytes those of this node's slice, and `extra` (the node's rounds, buckets...)."""
-    return {
-        "epoch": job.plan.epoch,
-        "path": PATH,
-        "samples": job.plan.samples,
-        "shards": job.n_shards,
-        "shards_reused": 0,
-        "bytes_written": sum(int(e["bytes"]) for e in entries),
-        "sample_multiset_hash": manifest["sample_multiset_hash"],
-        "packing": packings.shown(manifest),
-        "stage": stage,
-        "sources": report,
-        **extra,
-    }

@@ -58,11 +58,8 @@ def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
     """Asks the kernel to send `sig` to this process when its parent thread exits (Linux only)."""
     if not sys.platform.startswith("linux"):
         return
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
-    except (OSError, AttributeError):
-        return
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
 
 
 def _before_fork() -> None:
@@ -150,30 +147,25 @@ def forget_slurm_job(job_id: str) -> None:
     _send(f"done {job_id}")
 
 
-def _start_watchdog() -> None:
-    global _watchdog, _marker
-    token = f"{os.getpid()}-{secrets.token_hex(8)}"
-    # -I -S: stdlib only, nothing from the environment or site-packages; fast to start.
-    # A new session: a signal sent to tokpack's process group or terminal does not reach it.
-    _watchdog = subprocess.Popen(
-        [sys.executable, "-I", "-S", os.path.abspath(__file__), "--watch", str(os.getpid()), token],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-        close_fds=True,
-    )
-    _marker = token
-
-
 @contextlib.contextmanager
 def children_bound():
     """Processes started inside this block end when this process ends, by any signal. Reentrant;
     the watchdog starts on first use and stays until the process exits."""
-    global _depth, _saved_env
+    global _depth, _saved_env, _watchdog, _marker
     with _lock:
         if _watchdog is None:
-            _start_watchdog()
+            token = f"{os.getpid()}-{secrets.token_hex(8)}"
+            # -I -S: stdlib only, nothing from the environment or site-packages; fast to start.
+            # A new session: a signal sent to tokpack's process group or terminal does not reach it.
+            _watchdog = subprocess.Popen(
+                [sys.executable, "-I", "-S", os.path.abspath(__file__), "--watch", str(os.getpid()), token],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+                close_fds=True,
+            )
+            _marker = token
         install_fork_hook()
         _forkserver_preload()
         if _depth == 0:

@@ -135,17 +135,16 @@ class InMemory:
 
 def receive(ne: NodeEpoch, stores, pad: np.ndarray, got_pieces: np.ndarray, got_tokens: np.ndarray) -> None:
     """A round's pieces for this process into its store, each at its slice row."""
-    job, P = ne.job, len(ne.positions)
-    glen = got_pieces["length"].astype(np.int64)
-    gstart = np.cumsum(glen) - glen
     g = got_pieces["g"]
+    if not len(g):
+        return
     at = np.searchsorted(ne.positions, g)
-    if len(g) and (at.max() >= P or (ne.positions[at] != g).any() or (ne.keeper_of(g) != ne.me).any()):
+    if at.max() >= len(ne.positions) or (ne.positions[at] != g).any() or (ne.keeper_of(g) != ne.me).any():
         raise TokpackError(
-            "internal error: a row was sent to a process whose ranks do not read it", where=f"epoch {job.plan.epoch}"
+            "internal error: a row was sent to a process whose ranks do not read it", where=f"epoch {ne.job.plan.epoch}"
         )
-    if len(g):
-        stores.put(pad, at, got_pieces, got_tokens, gstart)
+    lengths = got_pieces["length"].astype(np.int64)
+    stores.put(pad, at, got_pieces, got_tokens, np.cumsum(lengths) - lengths)
 
 
 def write_slice_epoch(

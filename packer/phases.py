@@ -97,7 +97,7 @@ class Phases:
                 return
             yield item
 
-    def summary(self, process_cpu: float | None = None) -> dict:
+    def summary(self, process_cpu: float) -> dict:
         """{phase: {"cpu_s", "bytes"}}, every phase (0 where it did not run); "other": what `process_cpu` (the
         process's CPU over the same span) holds beyond them."""
         with self._lock:
@@ -106,8 +106,7 @@ class Phases:
                 for k, v in self.cpu.items()
             }
             spent = sum(self.cpu.values())
-        if process_cpu is not None:
-            out["other"] = {"cpu_s": round(max(0.0, process_cpu - spent), 4), "bytes": 0, "wall_s": 0.0}
+        out["other"] = {"cpu_s": round(max(0.0, process_cpu - spent), 4), "bytes": 0, "wall_s": 0.0}
         return out
 
 

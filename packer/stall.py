@@ -40,10 +40,10 @@ BEAT, BYE, STALLED = 1, 2, 3  # a message's kind: [kind, value]
 _watching: list = []  # the running watch: progressed() bumps it from wherever the rounds run
 
 
-def progressed(n: int = 1) -> None:
+def progressed() -> None:
     """The exchange's progress (a round delivered, on the delivering thread): the heartbeats carry its count."""
     for watch in _watching:
-        watch.progress += n
+        watch.progress += 1
 
 
 class StallWatch:

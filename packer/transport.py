@@ -167,16 +167,11 @@ def to_launcher(line: str) -> None:
     data = line.encode(errors="replace")
     parent = os.getppid()
     if _name(parent) in LAUNCHERS:
-        try:
+        with suppress(OSError):  # not written there: to ours
             fd = os.open(f"/proc/{parent}/fd/2", os.O_WRONLY | os.O_APPEND)
-        except OSError:
-            pass
-        else:
             try:
                 os.write(fd, data)
                 return
-            except OSError:
-                pass
             finally:
                 os.close(fd)
     with suppress(OSError):
@@ -316,9 +311,10 @@ def peer_line(e: BaseException) -> str:
     return f"internal error (a bug in tokpack): {type(e).__name__}: {e}"
 
 
-def as_error(e: TokpackError | OSError) -> TokpackError:
-    """A local failure as the line its node reports (a full disk says so)."""
-    if isinstance(e, TokpackError):
+def as_error(e: Exception) -> Exception:
+    """A local failure as the line its node reports (a full disk says so); an exception that is
+    neither a TokpackError nor an OSError (a bug) as it is."""
+    if not isinstance(e, OSError):
         return e
     if is_no_space(e):  # a node's DEST (or kept sources) filled up
         return TokpackError(
@@ -366,14 +362,16 @@ def exchange_rounds(comm, MPI, reads, per_round: int, row: int, dtype, route, de
                     try:
                         item = next(reads, None)
                     except Exception as e:  # noqa: BLE001 - reported at the next round's allgather, where every process is
-                        failure, take, count = _held(e), [], 0
+                        failure, take, count = as_error(e), [], 0
                         break
                     exhausted = item is None
                     pending += [] if item is None else [item]
                 if not pending or (take and not take[-1][3]):
                     break
                 pieces, tokens, starts, held = pending[0]
-                end = _round_end(pieces["length"], per_round - count)
+                # about per_round tokens of whole pieces, at least one
+                ends = np.cumsum(pieces["length"], dtype=np.int64)
+                end = max(1, int(np.searchsorted(ends, per_round - count, side="right")))
                 take.append((pieces[:end], tokens, starts[:end], held))
                 count += int(pieces["length"][:end].sum(dtype=np.int64))
                 pending[0:1] = [] if end == len(pieces) else [(pieces[end:], tokens, starts[end:], held)]
@@ -393,18 +391,8 @@ def _delivered(delivering, call) -> Exception | None:
     try:
         call()
     except Exception as e:  # noqa: BLE001 - reported at the next round's allgather, where every process is
-        return _held(e)
+        return as_error(e)
     return None
-
-
-def _held(e: Exception) -> Exception:
-    return as_error(e) if isinstance(e, (TokpackError, OSError)) else e
-
-
-def _round_end(lengths: np.ndarray, per_round: int) -> int:
-    """How many of the pieces (their `lengths`) one round sends: about per_round tokens, at least one."""
-    ends = np.cumsum(lengths, dtype=np.int64)
-    return max(1, int(np.searchsorted(ends, per_round, side="right")))
 
 
 def _agree(comm, count: int, failure, per_node: int = 1) -> bool:
