@@ -212,8 +212,8 @@ def _check_shard_names(shards: list[dict], mfile: str, add) -> None:
         if i and in_order and str(name) < previous:
             in_order = False
         previous = str(name)
-        why = name_problem(name)
-        if why or name.startswith(".") or not name.endswith(".ds"):
+        if not good(name):
+            why = name_problem(name)
             add(
                 mfile,
                 f"shards[{i}].path",

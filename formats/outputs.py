@@ -98,7 +98,7 @@ class ShardWriter:
     def __init__(self, output: "Output", place: ShardPlace, files: EpochShardWriter | SourceShardWriter):
         self.output, self.place, self.files = output, place, files
 
-    def __getattr__(self, name: str):  # write_rows, write_tokens, write_index, write_pad, write, samples, dtype...
+    def __getattr__(self, name: str):  # write_rows, write_tokens, write_index, write_pad, write, abort, samples...
         if name == "files":  # not set yet: no recursion
             raise AttributeError(name)
         return getattr(self.files, name)
@@ -111,9 +111,6 @@ class ShardWriter:
             write_bytes_atomic(record, json.dumps(entry).encode(), fsync=True)
         self.output.commit(self.place, entry)
         return entry
-
-    def abort(self) -> None:
-        self.files.abort()
 
 
 class Output(ABC):

@@ -177,7 +177,25 @@ class RowFacts:
         return np.concatenate([of(int(i))[pos[shard == i] - i * self.per] for i in np.unique(shard)] or [of(0)[:0]])
 
 
-class SourceShardWriter:
+class _ShardFiles:
+    """What both shard writers share: the `.ds.metadata` written at close, and an abort that
+    leaves no descriptor or temporary file of the files open (None: not opened, or not this kind's)."""
+
+    _ds = _index = _loss = _rows = _pad = None
+
+    def _metadata(self, tokens: int) -> str:
+        """Writes the shard's `.ds.metadata` for `tokens` tokens; returns its xxh3_128."""
+        meta = metadata_text(self.tokenizer, self.dtype.itemsize, tokens).encode()
+        write_bytes_atomic(self.directory / f"{self.name}.metadata", meta, fsync=True)
+        return xxhash.xxh3_128_hexdigest(meta)
+
+    def abort(self) -> None:
+        for f in (self._ds, self._index, self._loss, self._rows, self._pad):
+            if f is not None:
+                f.abort()
+
+
+class SourceShardWriter(_ShardFiles):
     """One shard of a packed source. Documents are appended whole; every one must end with EOS."""
 
     def __init__(
@@ -195,7 +213,6 @@ class SourceShardWriter:
         self.tokenizer = tokenizer
         self.tokens = 0  # tokens written so far
         self.documents = 0  # documents written so far
-        self._ds = self._index = self._loss = None
         try:
             # `sink`: DurableFile, or what pack --link uses to record the same entry without
             # writing the token files (formats/io.py HashedFile)
@@ -229,18 +246,11 @@ class SourceShardWriter:
         }
         if self._loss is not None:
             entry["loss_xxh3_128"] = self._loss.commit()
-        meta = metadata_text(self.tokenizer, self.dtype.itemsize, self.tokens).encode()
-        write_bytes_atomic(self.directory / f"{self.name}.metadata", meta, fsync=True)
-        entry["metadata_xxh3_128"] = xxhash.xxh3_128_hexdigest(meta)
+        entry["metadata_xxh3_128"] = self._metadata(self.tokens)
         return entry
 
-    def abort(self) -> None:
-        for f in (self._ds, self._index, self._loss):
-            if f is not None:
-                f.abort()
 
-
-class EpochShardWriter:
+class EpochShardWriter(_ShardFiles):
     """One shard of an epoch: whole samples of `seq_len + 1` tokens, back to back, and every
     file beside them: `.ds.index`, `.ds.metadata`, `.ds.rows` and, `padded` (best-fit),
     `.ds.pad`. close() returns the shard's whole manifest entry, its fragment count included.
@@ -279,7 +289,6 @@ class EpochShardWriter:
         self.tokenizer = tokenizer
         self.samples = 0  # samples written so far
         self.multiset = 0  # running sum of xxh3_64 over samples, mod 2^64
-        self._ds = self._index = self._rows = self._pad = None
         try:
             if placed and not hashed_only:
                 self._ds = PlacedFile(self.directory / name, hashed=False)
@@ -358,19 +367,12 @@ class EpochShardWriter:
             "index_xxh3_128": self._index.commit(),
             "rows_xxh3_128": self._rows.commit(),
         }
-        meta = metadata_text(self.tokenizer, self.dtype.itemsize, tokens).encode()
-        write_bytes_atomic(self.directory / f"{self.name}.metadata", meta, fsync=True)
-        entry["metadata_xxh3_128"] = xxhash.xxh3_128_hexdigest(meta)
+        entry["metadata_xxh3_128"] = self._metadata(tokens)
         entry["multiset_hash"] = f"{self.multiset:016x}"
         if self._pad is not None:
             entry["pad_xxh3_128"] = self._pad.commit()
         entry["fragments"] = self._index.bytes // INDEX_ENTRY_BYTES
         return entry
-
-    def abort(self) -> None:
-        for f in (self._ds, self._index, self._rows, self._pad):
-            if f is not None:
-                f.abort()
 
 
 class RowFragments:

@@ -222,8 +222,8 @@ def slice_epoch_problems(
                 "stage the slice again into an empty directory",
             )
             return
-    if (m.get("epoch"), m.get("first_sample"), m.get("samples")) != (e, first, n):
-        found = (m.get("epoch"), m.get("first_sample"), m.get("samples"))
+    found = (m.get("epoch"), m.get("first_sample"), m.get("samples"))
+    if found != (e, first, n):
         yield bad(
             None, "slice epoch disagrees with its run's numbering", "epoch/first_sample/samples", (e, first, n), found
         )
@@ -231,8 +231,8 @@ def slice_epoch_problems(
     ranks = [int(r) for r in root["ranks"]]
     entries = m.get("shards") if isinstance(m.get("shards"), list) else []
     names = [rank_file_name(r) for r in ranks]
-    if [s.get("rank") for s in entries] != ranks or [s.get("path") for s in entries] != names:
-        paths = [s.get("path") for s in entries]
+    paths = [s.get("path") for s in entries]
+    if [s.get("rank") for s in entries] != ranks or paths != names:
         yield bad(None, "slice epoch does not list one file per rank, in rank order", "shards", names, paths)
         return
     for r, s in zip(ranks, entries):

@@ -116,14 +116,7 @@ class RunSetup:
         return run_manifest(
             written,
             TokenHeader(self.sources[0].dtype, first["vocab_size"], first["eos_id"], first.get("tokenizer", "")),
-            ShuffleFields(
-                seed=plan.seed,
-                seq_len=plan.seq_len,
-                samples=0 if scheduled else plan.samples,
-                shard_samples=self.shard_samples,
-                jitter=plan.jitter,
-                shuffle=plan.algorithm,
-            ),
+            _shuffle_fields(plan, 0 if scheduled else plan.samples, self.shard_samples, plan.algorithm),
             sources=[{**e, "weight": None} for e in entries] if scheduled else entries,
             weights=None if scheduled or all(w is None for w in self.weights) else list(self.weights),
             extra=extra,
@@ -438,6 +431,11 @@ def existing_run(out: Path, to: Output = LocalOutput()) -> dict | None:
     return None
 
 
+def _shuffle_fields(plan: SamplePlan, samples: int, shard_samples: int, shuffle: str) -> ShuffleFields:
+    """What the run's and the epochs' manifests record of how `plan`'s samples were made."""
+    return ShuffleFields(plan.seed, plan.seq_len, samples, shard_samples, plan.jitter, shuffle)
+
+
 def job_epoch_manifest(job: EpochJob, entries: list[dict], shuffle: str) -> dict:
     """An epoch manifest of `job`'s plan over its shards' entries, naming `shuffle` as its
     algorithm: the written epoch's (epoch_manifest_of) and the one `plan` sizes (run.planned_epoch_manifest)."""
@@ -446,14 +444,7 @@ def job_epoch_manifest(job: EpochJob, entries: list[dict], shuffle: str) -> dict
     return epoch_manifest(
         entries,
         TokenHeader(job.token_dtype, sources[0].vocab_size, job.eos_id, job.tokenizer),
-        ShuffleFields(
-            seed=plan.seed,
-            seq_len=plan.seq_len,
-            samples=plan.samples,
-            shard_samples=job.shard_samples,
-            jitter=plan.jitter,
-            shuffle=shuffle,
-        ),
+        _shuffle_fields(plan, plan.samples, job.shard_samples, shuffle),
         tokens=plan.samples * plan.row_tokens,
         epoch=plan.epoch,
         dropped_tokens=plan.dropped_tokens(),

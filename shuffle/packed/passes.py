@@ -272,15 +272,10 @@ def best_fit_decreasing(
 def pack_pass(lengths: np.ndarray, perm: Bijection, row_tokens: int, group_tokens: int) -> PassRows:
     """One pass over a source whose documents have `lengths`, in memory: documents in the order
     of `perm`, cut into groups (pass_groups), each packed by pack_group."""
-    d = len(lengths)
-    order = perm.forward(np.arange(d, dtype=np.int64))
-    parts, rows = [], 0
-    for a, gd, _, gl in pass_groups([(order, order, lengths[order])] if d else [], group_tokens):
-        r, ro, which, do, ln, n = pack_group(gl, np.arange(a, a + len(gl), dtype=np.int64), row_tokens)
-        parts.append((rows + r, ro, gd[which], do, ln))
-        rows += n
-    cols = [np.concatenate([p[i] for p in parts]) if parts else np.zeros(0, np.int64) for i in range(5)]
-    return PassRows(rows, *cols)
+    order = perm.forward(np.arange(len(lengths), dtype=np.int64))
+    groups = list(_packed_groups([(order, order, lengths[order])] if len(lengths) else [], row_tokens, group_tokens))
+    cols = [np.concatenate([g[2][i] for g in groups]) if groups else np.zeros(0, np.int64) for i in range(5)]
+    return PassRows(sum(g[1] for g in groups), *cols)
 
 
 # Passes packed already, kept whole while they fit a quarter of the caller's budget (least
@@ -366,6 +361,12 @@ def _pack_pass(src, s, p, seed, row_tokens, group_tokens, memory, scratch, holdo
     docs = permuted_documents(src, perm, memory, scratch)
     if holdout is not None:
         docs = ([c[~out] for c in chunk] for chunk in docs for out in [holdout.left_out(chunk[0])])
+    return _packed_groups(docs, row_tokens, group_tokens)
+
+
+def _packed_groups(docs, row_tokens: int, group_tokens: int):
+    """A pass's permuted documents (chunks of (doc, start, length)) cut into groups (pass_groups),
+    each packed by pack_group: iter_pass's groups."""
     rows = 0
     for a, gd, gs, gl in pass_groups(docs, group_tokens):
         r, ro, which, do, ln, n = pack_group(gl, np.arange(a, a + len(gl), dtype=np.int64), row_tokens)
