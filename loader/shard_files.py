@@ -17,7 +17,7 @@ import numpy as np
 from tokpack.formats.arguments import whole
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io.paths import as_path, is_url
-from tokpack.formats.io.gate import open_read, regular_fd, regular_size
+from tokpack.formats.io.gate import open_read, regular_fd, regular_size, wrong_size
 from tokpack.formats.io.reads import read_full
 from tokpack.formats.names import dtype_from_name
 from tokpack.formats.packing import has_pad, rows_padded
@@ -120,14 +120,7 @@ def listed_size(
         except FileNotFoundError:
             raise shard_error(f"{what} listed in the {manifest} is missing", f, hint=hints[0]) from None
     if found != size:
-        raise shard_error(
-            f"{what} size does not match the {manifest}",
-            f,
-            where="size",
-            expected=f"{size} bytes",
-            found=f"{found} bytes",
-            hint=hints[1],
-        )
+        raise wrong_size(f, what, size, found, hints[1], manifest)
     return found
 
 

@@ -57,9 +57,9 @@ and what they report; node_procs: a node's P processes, their communicator) ->
 tokpack.packer.node_epoch (what a process reads, keeps and owns, its pieces from the sources;
 the memory plan) -> transport (MPI: failures as one line, the rounds), node_store (the node's
 rows, in memory or out of core; write_slice_epoch), owned_facts (the rows' facts to their
-owners, the owner's role), kept_sources (--keep-sources), node_dest (DEST beside RUN),
+owners, the owner's role), kept_sources (--keep-sources), stage_dest (DEST beside RUN),
 rank_files and pieces. The replacement node (tokpack.packer.replacement) shares rank_files and
-node_dest.
+stage_dest.
 
 Not yet (docs/COMMANDS.md, "Straight to the nodes"): a batch phase (`--start-sample`).
 """
@@ -88,7 +88,7 @@ from tokpack.formats.outputs import EpochShardFormat, LocalOutput, Output
 from tokpack.formats.slices import RankRows, slice_epoch_manifest
 from tokpack.packer.agreement import agree, agree_sources
 from tokpack.packer.kept_sources import keep_sources, kept_copies, kept_folder
-from tokpack.packer.node_dest import (
+from tokpack.packer.stage_dest import (
     dest_template,
     finish_slice_root,
     local_dirs,

@@ -239,18 +239,9 @@ class InspectResult(Result):
     split: str | None = optional_field()  # "holdout": RUN/holdout/, the held-out split (an epoch directory, no epoch)
 
 
-def inspect(
-    directory,
-    *,
-    batch_size: int | None = None,
-    batches: int = 64,
-    plot: str | None = None,
-    seq_len: int | None = None,
-    epoch: int | None = None,
-    memory: int | None = None,
-    documents_per_row: bool = False,
-) -> InspectResult:
-    """Report on a source, a run or an epoch (`documents_per_row`: also the largest document
+def inspect(directory, *, batch_size, batches, plot, seq_len, epoch, memory, documents_per_row) -> InspectResult:
+    """tokpack.packer.api.inspect, its arguments checked and its defaults given there.
+    Report on a source, a run or an epoch (`documents_per_row`: also the largest document
     count of a row of the chosen epoch, one pass over its tokens). For a run, the
     batch analysis uses `epoch` (default: the first listed); a packed source alone needs
     `seq_len` for it. `memory`: the budget (bytes) of the epoch's plan and of a best-fit row

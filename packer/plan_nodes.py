@@ -311,10 +311,9 @@ def plan_to_nodes(
     time of each node's shared-filesystem, network and local-disk bytes; the slowest node's is the run's."""
     from tokpack.formats.builders import nodes_sidecar
     from tokpack.formats.slices import RankRows
-    from tokpack.packer.node_dest import dest_template, local_dirs, node_dest, run_numbering
     from tokpack.shuffle import packings
     from tokpack.packer.slicing import SLICE_ENTRY_BYTES, SLICE_HEADER_BYTES, slice_ranks
-    from tokpack.packer.stage_dest import in_place, on_disk
+    from tokpack.packer.stage_dest import dest_template, in_place, local_dirs, node_dest, on_disk, run_numbering
     from tokpack.shuffle.run import repeat_warnings, setup_run
 
     dest, keep_sources, memory = spec.nodes.dest, spec.nodes.keep_sources, spec.memory

@@ -5,7 +5,7 @@ the row table), each row checked against RUN's row hashes (`.ds.rows`, and best-
 
 `stage RUN DEST --node n/N` on such a RUN (a replacement node) is `stage_replacement`: the rows
 fed, in increasing position, to the rank files of tokpack.packer.rank_files.RankFiles, so its
-bytes are the exchange's; DEST and RUN's manifests as tokpack.packer.node_dest reads them.
+bytes are the exchange's; DEST and RUN's manifests as tokpack.packer.stage_dest reads them.
 """
 
 from __future__ import annotations
@@ -32,11 +32,10 @@ from tokpack.formats.outputs import EpochShardFormat, LocalOutput, Output
 from tokpack.formats.shards import PAD_SUFFIX, ROWS_SUFFIX, RowFacts, tokens_on_nodes
 from tokpack.formats.slices import RankRows, slice_epoch_manifest
 from tokpack.packer.kept_sources import file_xxh3_128
-from tokpack.packer.node_dest import finish_slice_root, own_dest, read_raw, slice_root_of_run
 from tokpack.packer.lifetime import children_bound, set_parent_death_signal
 from tokpack.packer.rank_files import RankFiles, ready_epoch_dir
 from tokpack.packer.shared import Result
-from tokpack.packer.stage_dest import epoch_in_place
+from tokpack.packer.stage_dest import epoch_in_place, finish_slice_root, own_dest, read_raw, slice_root_of_run
 from tokpack.packer.stage_plan import parse_epochs, slice_ranks
 from tokpack.packer.source_reads import SourceReader
 from tokpack.shuffle import packings

@@ -1,7 +1,10 @@
 """What DEST holds, before `tokpack stage` writes there: the bytes a stage copies and writes (its space
 check), the copy DEST holds (dest_holds) and the line refusing one that is not this copy's; of a
 node slice, a slice of the same run and ranks, whose epochs already staged are kept in place
-(previous_slice, epoch_in_place), or anything else, refused with the first setting that differs."""
+(previous_slice, epoch_in_place), or anything else, refused with the first setting that differs.
+And a node's DEST beside the RUN of `shuffle --to-nodes` (its exchange, the replacement node, its
+plan): where it is (`{node}` in DEST), what it may hold (its slice of this run, scratch, a lock),
+and RUN's manifests as the node reads them back."""
 
 from __future__ import annotations
 
@@ -10,10 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.io.gate import read_limited
+from tokpack.formats.io.gate import open_read, read_limited
 from tokpack.formats.io.writes import is_tmp_name
 from tokpack.formats.constants import (
     EPOCH,
+    LOCK_NAME,
     MANIFEST,
     MAX_MANIFEST_BYTES,
     RUN,
@@ -21,11 +25,14 @@ from tokpack.formats.constants import (
     SLICE_EPOCH,
     SOURCE,
     STAGE_SIDECAR,
+    WORK_DIR,
 )
-from tokpack.formats.reading import canonical_bytes, read_manifest, require_valid, strict_json
+from tokpack.formats.names import epoch_dir_name
+from tokpack.formats.numbering import EpochNumbering
+from tokpack.formats.reading import canonical_bytes, parse_manifest, read_manifest, require_valid, strict_json
 from tokpack.formats.shards import is_own_file, shard_suffixes
-from tokpack.formats.slices import RUN_SELECTION_KEYS, SLICE_EPOCH_KEYS, SLICE_SHAPE_KEYS
-from tokpack.formats.slices import missing_padding, rank_file_name, stage_command
+from tokpack.formats.slices import RUN_SELECTION_KEYS, SLICE_EPOCH_KEYS, SLICE_SHAPE_KEYS, RankRows, missing_padding
+from tokpack.formats.slices import rank_file_name, slice_epoch_manifest, slice_manifest, stage_command
 from tokpack.packer.stage_plan import DirPlan, join_rel, shard_jobs
 
 
@@ -423,3 +430,103 @@ def _same_slice(have: dict, root: dict, source: str, dest: Path, path: Path) -> 
                 )
                 + "`",
             )
+
+
+# ------------------------------------------------------------------------ a node's DEST beside RUN (shuffle --to-nodes)
+
+NODE = "{node}"  # in DEST: replaced by the process's node number
+
+
+def node_dest(dest, node: int) -> Path:
+    return Path(str(dest).replace(NODE, str(node)))
+
+
+def local_dirs(where: str, *paths) -> None:
+    """Refuses a URL among `paths` (those given): RUN and DEST are folders, on the shared
+    filesystem and the node's own disk."""
+    if any(p is not None and "://" in str(p) for p in paths):
+        raise TokpackError(
+            "--to-nodes writes local directories",
+            where=where,
+            hint="RUN is a shared-filesystem path, DEST a node-local one",
+        )
+
+
+def dest_template(dest) -> str:
+    """Every node's DEST as RUN's sidecar names it: absolute, {node} kept."""
+    return str(Path(str(dest)).absolute())
+
+
+def read_raw(path: Path) -> bytes:
+    """A manifest of RUN, its bytes as written (a node slice's manifests quote them), checked."""
+    with open_read(path, ahead=False) as f:  # RUN's manifest, through the gate
+        raw = f.read(MAX_MANIFEST_BYTES + 1)
+    parse_manifest(raw, path)
+    return raw
+
+
+def slice_root_of_run(out: Path, ranks, w: int, micro_batch: int) -> tuple[dict, dict]:
+    """(RUN's run manifest, the root manifest of the slice of `ranks` it gives: from its first
+    batch, as --to-nodes has no --start-sample)."""
+    run = parse_manifest(read_raw(out / MANIFEST), out / MANIFEST, RUN)
+    return run, slice_manifest(run, str(out.absolute()), RankRows(w, micro_batch, 0), *ranks)
+
+
+def finish_slice_root(output, dest: Path, root: dict, epochs) -> dict:
+    """The slice's root manifest `root` committed at DEST, listing `epochs` (its complete ones)
+    and their tokens, as their manifests record them."""
+    root["epochs"] = sorted(epochs)
+    root["tokens"] = sum(
+        int(
+            parse_manifest(
+                read_limited(dest / epoch_dir_name(e) / MANIFEST, MAX_MANIFEST_BYTES, "manifest"), dest, SLICE_EPOCH
+            )["tokens"]
+        )
+        for e in root["epochs"]
+    )
+    output.finish(dest, root)
+    return root
+
+
+def own_dest(dest: Path, out: Path, ranks, w: int, micro_batch: int) -> list[int]:
+    """DEST is new, or holds what a --to-nodes run (or stage --node) of this run and these ranks
+    left: its slice epochs (the complete ones listed), scratch, a lock. Returns the epochs its root lists."""
+    if not dest.is_dir():
+        return []
+    foreign = [
+        p.name
+        for p in dest.iterdir()
+        if p.name not in (LOCK_NAME, MANIFEST, WORK_DIR) and not (p.name.startswith("epoch-") and p.is_dir())
+    ]
+    if foreign:
+        raise TokpackError(
+            "DEST holds files that are not a node slice's",
+            file=dest,
+            found=", ".join(sorted(foreign)[:5]),
+            hint="give an empty or new DEST, or this node's slice of this run",
+        )
+    if not (dest / MANIFEST).exists():
+        return []
+    if not (out / MANIFEST).exists():
+        raise TokpackError(
+            "DEST holds a node slice, and RUN no run",
+            file=dest / MANIFEST,
+            hint="give an empty or new DEST, or the RUN the slice came from",
+        )
+    return previous_slice(dest, slice_root_of_run(out, ranks, w, micro_batch)[1], str(out))
+
+
+def slice_epoch_here(
+    out: Path, dest: Path, epoch: int, first: int, samples: int, ranks, w: int, micro_batch: int
+) -> bool:
+    """This node's slice of `epoch` is complete at DEST, for RUN's epoch manifest as it is."""
+    if not (dest / epoch_dir_name(epoch) / MANIFEST).exists():
+        return False
+    root = slice_root_of_run(out, ranks, w, micro_batch)[1]
+    raw = read_raw(out / epoch_dir_name(epoch) / MANIFEST)
+    return epoch_in_place(dest / epoch_dir_name(epoch), slice_epoch_manifest(root, epoch, samples, first, raw))
+
+
+def run_numbering(setup, out: Path) -> EpochNumbering:
+    """The epochs' numbering of the run `setup` (tokpack.shuffle.run.setup_run) writes at RUN `out`."""
+    return EpochNumbering.of_run(setup.written_run_manifest(out, setup.todo[0][1], []), out)

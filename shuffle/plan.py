@@ -583,9 +583,3 @@ def replay_hashes(
                 if order:  # uint64 sums wrap: mod 2^64
                     np.add.at(shard_orders, g // per, order_hash_terms(g, hashes[sel]))
     return hash_hex64(multiset), shard_orders.tolist()
-
-
-def expected_multiset_hash(epoch_manifest: dict, sources: list[PackedSource]) -> str:
-    """The `sample_multiset_hash` the epoch must have (replay_hashes without the order: what
-    `validate --against` compared before it proved the order; bench/validate.py times both)."""
-    return replay_hashes(epoch_manifest, sources, order=False)[0]

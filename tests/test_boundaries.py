@@ -181,7 +181,8 @@ def test_fixed_boundaries_by_hand():
 def test_inspect_reports_the_k_a_run_takes(kind, request):
     """`tokpack inspect` names the largest document count of a row of the epoch: exactly the
     smallest max_documents that reads the whole epoch (one less is refused)."""
-    from tokpack.packer.inspection import inspect, report_lines
+    from tokpack.packer.api import inspect
+    from tokpack.packer.inspection import report_lines
 
     path = request.getfixturevalue(kind)
     counts = segment_counts(path)

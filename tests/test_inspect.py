@@ -18,7 +18,7 @@ from tokpack.formats.names import epoch_dir_name
 from tokpack.loader.reader import SampleReader
 from tokpack.packer.cli import main
 from tokpack.packer.inspection import LengthHistogram, report_lines
-from tokpack.packer.inspection import inspect as inspect_dir
+from tokpack.packer.api import inspect as inspect_dir
 
 L = 31  # seq_len: samples of 32 tokens
 BATCH = 16

@@ -10,7 +10,8 @@ from conftest import random_docs, shuffle_run, write_source
 from tokpack.formats.constants import HOLDOUT_DIR
 from tokpack.formats.names import epoch_dir_name
 from tokpack.packer import inspection
-from tokpack.packer.inspection import inspect, report_lines
+from tokpack.packer.api import inspect
+from tokpack.packer.inspection import report_lines
 
 L = 31
 

@@ -152,13 +152,14 @@ def regular_size(
             raise _not_regular(path, st.st_mode)
         found = st.st_size
     if size is not None and found != size:
-        raise _wrong_size(path, what, size, found, hint)
+        raise wrong_size(path, what, size, found, hint)
     return found
 
 
-def _wrong_size(path, what: str, size: int, found: int, hint: str | None) -> TokpackError:
+def wrong_size(path, what: str, size: int, found: int, hint: str | None, manifest: str = "manifest") -> TokpackError:
+    """The line refusing a file of `found` bytes that its `manifest` lists as a `what` of `size` bytes."""
     return TokpackError(
-        f"{what} size does not match the manifest",
+        f"{what} size does not match the {manifest}",
         file=path,
         where="size",
         expected=f"{size} bytes",
@@ -187,7 +188,7 @@ def _blocking_regular(fd: int, path, size: int | None = None, what: str = "file"
         if not stat.S_ISREG(st.st_mode):
             raise _not_regular(path, st.st_mode)
         if size is not None and st.st_size != size:
-            raise _wrong_size(path, what, size, st.st_size, hint)
+            raise wrong_size(path, what, size, st.st_size, hint)
         os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)
