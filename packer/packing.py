@@ -170,7 +170,6 @@ class PackStep(PipelineStep):
                 close_shard()
             elif writer is not None:
                 writer.abort()
-            writer = None
         except BaseException:
             if blocks is not None:
                 blocks.close()  # stops the reader's read-ahead thread now, not at garbage collection
