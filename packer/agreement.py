@@ -64,10 +64,10 @@ def spec_facts(spec: ShuffleSpec, version: str) -> dict[str, str]:
     return facts
 
 
-def agree(comm, spec: ShuffleSpec, version: str = __version__) -> None:
+def agree(comm, spec: ShuffleSpec) -> None:
     """Raises on every process, with the same line, unless every process of `comm` runs the same
     spec_facts. One allgather: a few KiB a process."""
-    mine = together(comm, lambda: spec_facts(spec, version))
+    mine = together(comm, lambda: spec_facts(spec, __version__))
     gathered = comm.allgather(mine)
     # Processes a node, to name each process by its node: --procs-per-node when every process was
     # given the same (else each is named by its world rank, as a node of one).

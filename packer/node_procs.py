@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tokpack.formats.errors import TokpackError
-from tokpack.packer.transport import process_name, together
+from tokpack.packer.transport import together
 
 OPTION = "--procs-per-node"
 HINT = "start P processes a node, in blocks: `mpirun -n N*P --map-by ppr:P:node ...` (docs/CLUSTER.md)"
@@ -35,10 +35,6 @@ class Node:
     def leader(self) -> bool:
         """The node's process that takes DEST's lock and writes its manifests and shared files."""
         return self.p == 0
-
-    @property
-    def name(self) -> str:
-        return process_name(self.q, self.P)
 
     def together(self, fn):
         """tokpack.packer.transport.together over the world, each process named by its node."""

@@ -45,17 +45,11 @@ from tokpack.formats.names import shard_digits, shard_name
 from tokpack.formats.outputs import LocalOutput, Output, ShardPlace, SourceShardFormat
 from tokpack.formats.shards import shard_suffixes
 from tokpack.formats.units import counted
-from tokpack.shuffle.sinks import app_sinks_kept
 from tokpack.packer.shared import ExecutorConfig, Result, optional_field
-from tokpack.packer.executors import run_steps, runs_in_process
+from tokpack.packer.executors import PipelineStep, run_steps, runs_in_process
 from tokpack.packer.linking import link_part, summary as link_summary
 from tokpack.packer.vocab import Normalizer
 from tokpack.packer.pack_setup import PackOptions, PackSetup, clear_output, pack_tasks, setup_pack
-
-# Importing datatrove's logging module removes every loguru sink; the application's must stay.
-with app_sinks_kept():
-    import datatrove.utils.logging  # noqa: F401
-    from datatrove.pipeline.base import PipelineStep
 
 
 # The manifest's created_by: the version tokpack/__init__.py looked up; a checkout never installed has none to name
@@ -176,7 +170,6 @@ class PackStep(PipelineStep):
                 close_shard()
             elif writer is not None:
                 writer.abort()
-            writer = None
         except BaseException:
             if blocks is not None:
                 blocks.close()  # stops the reader's read-ahead thread now, not at garbage collection

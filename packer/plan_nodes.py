@@ -55,14 +55,13 @@ def _rate(given: float | None, option: str, where: Path | None, measured: dict) 
 
 
 def _node_epoch_figures(
-    job, manifest: dict, figures, first: int, nodes: int, ranks_per_node: int, micro_batch: int, memory: int
+    job, manifest: dict, figures, first: int, nodes: int, ranks_per_node: int, rows, memory: int
 ) -> list[dict]:
     """Each node's part of one epoch, from the exchange's own arithmetic (tokpack.packer.exchange):
     its NodeEpoch (the slice's positions, the owned shards, keep_bytes), its runs of source
     shards (split_shards), memory_plan, and the destination exchange_epoch sends each piece to
     (the node that reads its row; its shard's owner gets only the row's facts)."""
     from tokpack.formats.shards import U64
-    from tokpack.formats.slices import RankRows
     from tokpack.packer.node_epoch import NodeEpoch, memory_plan
     from tokpack.packer.pieces import WIRE_PIECE
     from tokpack.packer.slicing import slice_files, slice_ranks
@@ -72,14 +71,13 @@ def _node_epoch_figures(
     plan, entry = job.plan, packings.of_plan(job.plan)
     padded = entry.padded  # document pieces from a row table, and padding
     sources = job.open_sources()
-    rows = RankRows(nodes * ranks_per_node, micro_batch, 0)
     item, row = job.token_dtype.itemsize, plan.row_tokens
     table = entry.table_estimate(job, sources) if entry.table_estimate is not None else None
     data_tokens = plan.samples * row - (figures.padding_tokens if figures is not None else 0)
     per_row = int(manifest["fragments"]) / max(1, plan.samples)  # the index's fragments, at the epoch's mean
     out, nes = [], []
     for n in range(nodes):
-        a, b, _ = slice_ranks(node=f"{n}/{nodes}", ranks_per_node=ranks_per_node, micro_batch=micro_batch)
+        a, b, _ = slice_ranks(node=f"{n}/{nodes}", ranks_per_node=ranks_per_node, micro_batch=rows.micro_batch)
         # the row table itself is the command's to build (plan_shuffle counts it by table_estimate)
         ne = NodeEpoch(job, sources, rows, first, n, nodes, (a, b), {})
         nes.append(ne)
@@ -326,7 +324,7 @@ def plan_to_nodes(
     setup = setup_run(spec.with_settings(sources=paths), str(output), workers=1)
     numbering = run_numbering(setup, out)
     opened = setup.sources
-    RankRows(nodes * ranks_per_node, micro_batch, 0)  # its checks (tokpack.formats.slices) before any arithmetic
+    rows = RankRows(nodes * ranks_per_node, micro_batch, 0)  # its checks (tokpack.formats.slices) before any arithmetic
     dests = [node_dest(dest, n) for n in range(nodes)]
     keeps = [None if keep_sources is None else node_dest(keep_sources, n) for n in range(nodes)]
     notes: list[str] = []
@@ -363,7 +361,7 @@ def plan_to_nodes(
         manifest, padding = _planned_manifest(job, opened, memory)
         written_manifests[epoch] = manifest
         figures = _node_epoch_figures(
-            job, manifest, padding, numbering.first(epoch), nodes, ranks_per_node, micro_batch, memory
+            job, manifest, padding, numbering.first(epoch), nodes, ranks_per_node, rows, memory
         )
         rounds = [f["rounds"] for f in figures]
         padded = any(f["slice_pad_bytes"] for f in figures)

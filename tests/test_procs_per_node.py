@@ -365,6 +365,7 @@ def test_a_node_whose_processes_are_on_two_hosts_is_refused_on_every_process():
     blocks (`--map-by ppr:2:node`) each process gets its node, process and node communicator."""
     from tokpack.formats.errors import TokpackError
     from tokpack.packer.node_procs import node_of_process
+    from tokpack.packer.transport import process_name
 
     lines = set()
     for q in range(4):
@@ -374,7 +375,7 @@ def test_a_node_whose_processes_are_on_two_hosts_is_refused_on_every_process():
     assert len(lines) == 1 and "the processes of node 0 are not on one host: processes 0 and 1" in lines.pop()
     for q in range(4):
         node = node_of_process(_World, _World(q, [0, 0, 2, 2]), None)  # P from the launcher: 2
-        assert (node.n, node.p, node.N, node.P, node.local, node.name) == (
+        assert (node.n, node.p, node.N, node.P, node.local, process_name(node.q, node.P)) == (
             q // 2,
             q % 2,
             2,
