@@ -7,6 +7,7 @@ text, not a dict per shard entry."""
 from __future__ import annotations
 
 import os
+import threading
 import tracemalloc
 from types import SimpleNamespace
 
@@ -64,3 +65,35 @@ def test_an_opened_source_holds_its_manifests_text_not_a_dict_per_entry(tmp_path
     assert peak < 3 * size, f"opening a {size / 2**20:.1f} MB source peaked at {peak / 2**20:.1f} MB"
     assert list(opened.shards) == entries and opened.shards[-1] == entries[-1] and len(opened.shards) == n
     assert opened.tokens == n * entry["tokens"] and opened.manifest["shards"] is opened.shards
+
+
+def test_stage_queues_a_few_copies_ahead_not_a_future_per_file(tmp_path, monkeypatch):
+    """stage of a 60-shard source (180 files) with 2 workers: at most 4 a worker queued or
+    running at once, where every file had its future from the start (a 50,000-shard source
+    held 230 MB of them); the copy is the source, byte for byte."""
+    from tokpack.packer import staging
+    from tokpack.packer.api import stage
+
+    docs = random_docs(np.random.default_rng(5), 60, 1000, 0, min_len=20, max_len=40)
+    src = write_source(tmp_path / "s", docs, docs_per_shard=1)
+    live, most, lock = [0], [0], threading.Lock()
+
+    def ended(_):
+        with lock:
+            live[0] -= 1
+
+    class Counted(staging.ThreadPool):
+        def submit(self, fn, *args, **kw):
+            with lock:
+                live[0] += 1
+                most[0] = max(most[0], live[0])
+            future = super().submit(fn, *args, **kw)
+            future.add_done_callback(ended)
+            return future
+
+    monkeypatch.setattr(staging, "ThreadPool", Counted)
+    stage(src, tmp_path / "dst", workers=2)
+    files = sorted(p.name for p in src.iterdir())
+    assert len(files) == 181 and files == sorted(p.name for p in (tmp_path / "dst").iterdir())
+    assert all((src / f).read_bytes() == (tmp_path / "dst" / f).read_bytes() for f in files)
+    assert most[0] <= 8, f"{most[0]} copies queued at once for 180 files"
