@@ -20,6 +20,7 @@ from .constants import (
     MANIFEST,
     MAX_MANIFEST_BYTES,
     MAX_MANIFEST_DEPTH,
+    SOURCE,
     STAGE_SIDECAR,
 )
 from .errors import IncompleteError, TokpackError
@@ -384,11 +385,13 @@ def _canonical(raw: bytes, text: str, m: dict, first: int | None) -> bool:
     )
 
 
-def read_manifest_text(directory: str | Path, kind: str | tuple[str, ...] | None = None) -> tuple[dict, bool, int]:
+def read_manifest_text(
+    directory: str | Path, kind: str | tuple[str, ...] | None = None, canonical: bool = True
+) -> tuple[dict, bool | None, int]:
     """validate's read_manifest(directory, kind, checked=False): (the manifest, upgraded, with its
-    `shards` as ShardEntries when it has any; whether its bytes are canonical_bytes'; its size).
-    Anything but a plain manifest object (bad JSON, a value outside the format) is read by
-    read_manifest, so its error is the one every command gives."""
+    `shards` as ShardEntries when it has any; whether its bytes are canonical_bytes' (None when
+    not `canonical`: not asked); its size). Anything but a plain manifest object (bad JSON, a
+    value outside the format) is read by read_manifest, so its error is the one every command gives."""
     directory = as_path(directory)
     path = directory / MANIFEST
     if not path.exists():
@@ -401,9 +404,18 @@ def read_manifest_text(directory: str | Path, kind: str | tuple[str, ...] | None
         parsed, first = _parse_text(text)
     except (_Irregular, UnicodeDecodeError):
         manifest = parse_manifest(raw, path, kind)  # raises strict_json's or the header's own error
-        return upgrade(manifest), raw == canonical_bytes(manifest), len(raw)
+        return upgrade(manifest), raw == canonical_bytes(manifest) if canonical else None, len(raw)
     _checked_header(parsed, path, kind)
-    return upgrade(parsed), _canonical(raw, text, parsed, first), len(raw)
+    return upgrade(parsed), _canonical(raw, text, parsed, first) if canonical else None, len(raw)
+
+
+def read_source_manifest(directory: str | Path) -> dict:
+    """read_manifest(directory, SOURCE), checked, its `shards` as ShardEntries: what a command
+    holds of a source it reads (PackedSource) is its manifest's text, not a dict per shard entry
+    (a 50,000-entry source held 38 MB of them, a 1.5M-entry one over 1 GB)."""
+    manifest = read_manifest_text(directory, SOURCE, canonical=False)[0]
+    require_valid(manifest, directory)
+    return manifest
 
 
 def manifest_kind(directory) -> str | None:

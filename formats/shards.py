@@ -24,10 +24,10 @@ from .io.writes import DurableFile, HashedFile, PlacedFile, is_tmp_name, write_b
 from .constants import EPOCH_SHARD_SUFFIXES, LOSS_SUFFIX, SHARD_SUFFIXES
 from .constants import PAD_DTYPE, PAD_SUFFIX, ROWS_SUFFIX, U64
 from .constants import INDEX_ENTRY_BYTES, INDEX_SUFFIX, METADATA_SUFFIX, ROW_HASH_DTYPE
-from .constants import MANIFEST, MASK64, NODES_SIDECAR, SOURCE
+from .constants import MANIFEST, MASK64, NODES_SIDECAR
 from .names import dtype_from_name, metadata_text
 from .packing import has_pad
-from .reading import read_manifest
+from .reading import read_source_manifest
 from .hashes import row_hashes
 from .token_check import FileDigest, digest_error
 
@@ -503,7 +503,7 @@ class PackedSource:
     @classmethod
     def open(cls, path: str | Path, check_sizes: bool = True) -> "PackedSource":
         path = as_path(path)
-        manifest = read_manifest(path, kind=SOURCE)
+        manifest = read_source_manifest(path)  # its shard entries read from its text as used
         dtype = dtype_from_name(manifest.get("dtype"))
         shards = manifest.get("shards") or []
         starts = np.zeros(len(shards) + 1, dtype=np.int64)

@@ -31,7 +31,7 @@ from tokpack.formats.io.progress_log import progress
 from tokpack.formats.io.gate import read_array, regular_size
 from tokpack.formats.constants import EPOCH, HOLDOUT_DIR, MANIFEST, RUN, SOURCE, U64
 from tokpack.formats.names import epoch_dir_name
-from tokpack.formats.reading import read_manifest
+from tokpack.formats.reading import manifest_kind, read_manifest, read_source_manifest
 from tokpack.formats.packing import holdout_recorded
 from tokpack.formats.shards import PackedSource
 from tokpack.formats.units import counted
@@ -256,7 +256,8 @@ def inspect(directory, *, batch_size, batches, plot, seq_len, epoch, memory, doc
                 where="--plot",
                 hint="pip install matplotlib (or pip install 'tokpack[plot]')",
             ) from None
-    manifest = read_manifest(directory)
+    # a source's shard entries read from its text as used, as PackedSource reads them: not a dict each
+    manifest = read_source_manifest(directory) if manifest_kind(directory) == SOURCE else read_manifest(directory)
     kind = manifest["kind"]
     if seq_len is not None and kind != SOURCE and seq_len != manifest.get("seq_len"):  # was silently ignored
         raise TokpackError(

@@ -43,7 +43,8 @@ def iter_source_windows(
     per = per if mapped else len(bufs[0]) // row
     handles: dict = {}  # used by the reading thread only
     maps = getattr(src, "mapped", None) if mapped else None
-    ends = getattr(src, "shard_starts", None) if maps is not None else None
+    starts = getattr(src, "shard_starts", None)  # `handles`' keys are shards of these starts (a held-out stream's too)
+    ends = starts if maps is not None else None
 
     def blocks():
         for a in range(w0, w1, per):
@@ -53,6 +54,10 @@ def iter_source_windows(
     ahead_of = getattr(src, "will_need", None)  # a source's shards (a held-out stream's reads are its own)
 
     def fill(buf, n, a):
+        if starts is not None:  # the shards before this block's are never read again: closed, not one held a shard
+            first = int(np.searchsorted(starts, sp.offset + a * row, side="right")) - 1
+            for k in [k for k in handles if k < first]:
+                handles.pop(k).close()
         view = None if maps is None else maps(sp.offset + a * row, n * row, handles)
         if view is None:
             view = buf[: n * row] if buf is not None else np.empty(n * row, dtype=src.dtype)

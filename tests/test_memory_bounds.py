@@ -1,0 +1,121 @@
+"""What a command holds does not grow with a source's number of shards (issue 42, item 7's rule
+beyond validate): a front-to-back read of a source's windows keeps open the shards of the block
+it reads, not every shard it has read (a 50,000-shard source held 50,000 files open); an
+opened source (PackedSource: shuffle, inspect, plan, validate --against) holds its manifest's
+text, not a dict per shard entry."""
+
+from __future__ import annotations
+
+import os
+import threading
+import tracemalloc
+from types import SimpleNamespace
+
+import numpy as np
+
+from tests.conftest import random_docs, write_source
+from tokpack.formats.builders import source_manifest
+from tokpack.formats.constants import MANIFEST
+from tokpack.formats.names import shard_digits, shard_name
+from tokpack.formats.reading import read_manifest, write_manifest
+from tokpack.formats.shards import PackedSource
+from tokpack.shuffle.source_windows import iter_source_windows
+
+
+def _open_files() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_reading_a_sources_windows_keeps_open_only_the_shards_of_its_block(tmp_path):
+    """200 one-document shards read a window at a time: at most a few files open at once (the
+    block's and the next one's, asked of the kernel ahead), where every shard read stayed open
+    until the source's last window; the windows are the source's tokens, in order."""
+    docs = random_docs(np.random.default_rng(3), 200, 1000, 0, min_len=40, max_len=60)
+    src = PackedSource.open(write_source(tmp_path / "s", docs, docs_per_shard=1))
+    row = 16
+    windows = src.tokens // row
+    plan = SimpleNamespace(sources=[SimpleNamespace(windows=windows, offset=0)], row_tokens=row)
+    tokens = np.concatenate(docs).astype(src.dtype)
+    for mapped in (False, True):
+        base, most, got = _open_files(), 0, []
+        for a, rows in iter_source_windows(plan, 0, src, block_bytes=row * src.dtype.itemsize, mapped=mapped):
+            most = max(most, _open_files() - base)
+            got.append((a, np.array(rows).reshape(-1)))
+        assert [a for a, _ in got] == list(range(windows)), mapped
+        assert np.array_equal(np.concatenate([r for _, r in got]), tokens[: windows * row]), mapped
+        assert len(src.shards) == 200 and most <= 6, f"{most} files open at once reading 200 shards (mapped={mapped})"
+
+
+def test_an_opened_source_holds_its_manifests_text_not_a_dict_per_entry(tmp_path):
+    """A source of 20,000 shard entries (a 4.9 MB manifest): PackedSource.open held 13.3 MB
+    (2.7 times the text: a dict per entry) and peaked at 21.9 MB (4.5 times); its entries are
+    now read from the text as used: 5.4 MB held, 10.1 MB at the peak, the same entries."""
+    src = write_source(tmp_path / "s", random_docs(np.random.default_rng(1), 20, 1000, 0))
+    entry, n = read_manifest(src)["shards"][0], 20_000
+    entries = [{**entry, "path": shard_name(i, shard_digits(n))} for i in range(n)]
+    write_manifest(src, source_manifest(entries, np.dtype("<u2"), 1000, 0, "test-tokenizer"))
+    size = (src / MANIFEST).stat().st_size
+    tracemalloc.start()
+    try:
+        opened = PackedSource.open(src, check_sizes=False)  # the entries name files never written
+        held, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert held < 1.5 * size, f"an opened {size / 2**20:.1f} MB source held {held / 2**20:.1f} MB"
+    assert peak < 3 * size, f"opening a {size / 2**20:.1f} MB source peaked at {peak / 2**20:.1f} MB"
+    assert list(opened.shards) == entries and opened.shards[-1] == entries[-1] and len(opened.shards) == n
+    assert opened.tokens == n * entry["tokens"] and opened.manifest["shards"] is opened.shards
+
+
+def test_stage_queues_a_few_copies_ahead_not_a_future_per_file(tmp_path, monkeypatch):
+    """stage of a 60-shard source (180 files) with 2 workers: at most 4 a worker queued or
+    running at once, where every file had its future from the start (a 50,000-shard source
+    held 230 MB of them); the copy is the source, byte for byte."""
+    from tokpack.packer import staging
+    from tokpack.packer.api import stage
+
+    docs = random_docs(np.random.default_rng(5), 60, 1000, 0, min_len=20, max_len=40)
+    src = write_source(tmp_path / "s", docs, docs_per_shard=1)
+    live, most, lock = [0], [0], threading.Lock()
+
+    def ended(_):
+        with lock:
+            live[0] -= 1
+
+    class Counted(staging.ThreadPool):
+        def submit(self, fn, *args, **kw):
+            with lock:
+                live[0] += 1
+                most[0] = max(most[0], live[0])
+            future = super().submit(fn, *args, **kw)
+            future.add_done_callback(ended)
+            return future
+
+    monkeypatch.setattr(staging, "ThreadPool", Counted)
+    stage(src, tmp_path / "dst", workers=2)
+    files = sorted(p.name for p in src.iterdir())
+    assert len(files) == 181 and files == sorted(p.name for p in (tmp_path / "dst").iterdir())
+    assert all((src / f).read_bytes() == (tmp_path / "dst" / f).read_bytes() for f in files)
+    assert most[0] <= 8, f"{most[0]} copies queued at once for 180 files"
+
+
+def test_inspect_of_a_source_reads_no_dict_per_shard_entry(small_source, monkeypatch):
+    """inspect of a source reads its manifest as PackedSource does, its shard entries from the
+    text as used: it read it whole first (every entry a dict, held to the end: 30 MB of 104 at
+    the peak for a 50,000-shard source), then PackedSource read it again."""
+    from tokpack.formats import reading
+    from tokpack.packer.api import inspect
+
+    src, docs = small_source
+    whole = []
+    parse = reading.strict_json
+
+    def recorded(raw, path, what="manifest"):
+        whole.append(str(path))
+        return parse(raw, path, what)
+
+    monkeypatch.setattr(reading, "strict_json", recorded)
+    r = inspect(src)
+    assert r.kind == "source" and r.totals["shards"] == 3 and r.totals["documents"] == len(docs)
+    assert r.document_lengths["documents"] == len(docs)
+    assert whole == [], whole
