@@ -7,8 +7,9 @@ text, not a dict per shard entry."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
-import tracemalloc
 from types import SimpleNamespace
 
 import numpy as np
@@ -46,6 +47,15 @@ def test_reading_a_sources_windows_keeps_open_only_the_shards_of_its_block(tmp_p
         assert len(src.shards) == 200 and most <= 6, f"{most} files open at once reading 200 shards (mapped={mapped})"
 
 
+MEASURE_OPEN = """
+import sys, tracemalloc
+from tokpack.formats.shards import PackedSource
+tracemalloc.start()
+opened = PackedSource.open(sys.argv[1], check_sizes=False)
+print(*tracemalloc.get_traced_memory())
+"""
+
+
 def test_an_opened_source_holds_its_manifests_text_not_a_dict_per_entry(tmp_path):
     """A source of 20,000 shard entries (a 4.9 MB manifest): PackedSource.open held 13.3 MB
     (2.7 times the text: a dict per entry) and peaked at 21.9 MB (4.5 times); its entries are
@@ -55,12 +65,12 @@ def test_an_opened_source_holds_its_manifests_text_not_a_dict_per_entry(tmp_path
     entries = [{**entry, "path": shard_name(i, shard_digits(n))} for i in range(n)]
     write_manifest(src, source_manifest(entries, np.dtype("<u2"), 1000, 0, "test-tokenizer"))
     size = (src / MANIFEST).stat().st_size
-    tracemalloc.start()
-    try:
-        opened = PackedSource.open(src, check_sizes=False)  # the entries name files never written
-        held, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    # measured in a fresh interpreter: in this one, what earlier tests left (the interned
+    # strings' table growing, 3.7 MB at once) would be counted as the source's
+    child = subprocess.run([sys.executable, "-c", MEASURE_OPEN, str(src)], capture_output=True, text=True)
+    assert child.returncode == 0, child.stderr
+    held, peak = map(int, child.stdout.split())
+    opened = PackedSource.open(src, check_sizes=False)  # the entries name files never written
     assert held < 1.5 * size, f"an opened {size / 2**20:.1f} MB source held {held / 2**20:.1f} MB"
     assert peak < 3 * size, f"opening a {size / 2**20:.1f} MB source peaked at {peak / 2**20:.1f} MB"
     assert list(opened.shards) == entries and opened.shards[-1] == entries[-1] and len(opened.shards) == n
