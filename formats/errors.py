@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+
 
 class TokpackError(Exception):
     """Bad input or bad data. The CLI prints `str(err)` and exits with status 1.
@@ -66,11 +68,10 @@ class IncompleteError(TokpackError):
 
 def task_failed(job_name: str, rank: int, tasks: int, e: OSError) -> TokpackError:
     """An OSError in a task (disk full, permissions...) is the user's to fix, then rerun."""
-    return TokpackError(
-        f"{job_name} task {rank} of {tasks} failed: {e}",
-        file=getattr(e, "filename", None),
-        hint="fix the cause and rerun the same command; finished outputs are kept",
-    )
+    hint = "fix the cause and rerun the same command; finished outputs are kept"
+    if getattr(e, "errno", None) == errno.EMFILE:  # past the hard limit tokpack raises its soft one to
+        hint = "raise the open-files limit (`ulimit -Hn`, then `ulimit -n`), or give a smaller --memory, and rerun"
+    return TokpackError(f"{job_name} task {rank} of {tasks} failed: {e}", file=getattr(e, "filename", None), hint=hint)
 
 
 class UsageError(TokpackError):

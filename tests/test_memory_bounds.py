@@ -13,6 +13,7 @@ import threading
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 
 from tests.conftest import random_docs, write_source
 from tokpack.formats.builders import source_manifest
@@ -129,3 +130,70 @@ def test_inspect_of_a_source_reads_no_dict_per_shard_entry(small_source, monkeyp
     assert r.kind == "source" and r.totals["shards"] == 3 and r.totals["documents"] == len(docs)
     assert r.document_lengths["documents"] == len(docs)
     assert whole == [], whole
+
+
+def _limited(soft: int, hard: int | None = None):
+    """preexec_fn: the child's open-files limits (hard None: left as it is)."""
+
+    def limit():
+        import resource
+
+        h = resource.getrlimit(resource.RLIMIT_NOFILE)[1] if hard is None else hard
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, h))
+
+    return limit
+
+
+@pytest.fixture(scope="module")
+def many_shards(tmp_path_factory):
+    """A source of 300 one-document shards, and its in-memory shuffles (concat, best-fit) run
+    with no limit of ours: the bytes each limited run must give."""
+    root = tmp_path_factory.mktemp("fds")
+    docs = random_docs(np.random.default_rng(7), 300, 1000, 0, min_len=20, max_len=40)
+    src = write_source(root / "src", docs, docs_per_shard=1)
+    want = {}
+    for packing in ("concat", "best-fit"):
+        out = root / f"free-{packing}"
+        assert subprocess.run(_shuffle_cmd(src, out, packing), capture_output=True).returncode == 0
+        want[packing] = (out / "epoch-00000" / "00000.ds").read_bytes()
+    return root, src, want
+
+
+def _shuffle_cmd(src, out, packing: str, *more: str) -> list[str]:
+    args = ["shuffle", str(src), "-o", str(out), "--seq-len", "16", "--seed", "1", "--epochs", "1"]
+    return [sys.executable, "-m", "tokpack", *args, "--packing", packing, *more]
+
+
+def test_a_source_of_more_shards_than_the_soft_open_files_limit_shuffles_in_memory(many_shards):
+    """The in-memory steps map every shard at once, and Python before 3.13 holds a file a
+    mapping: a source of 1,500 shards failed with EMFILE at the usual soft limit of 1,024. The
+    soft limit is raised to the hard one (guard.raise_open_files_limit), as `ulimit -n` may."""
+    root, src, want = many_shards
+    for packing in ("concat", "best-fit"):
+        out = root / f"soft-{packing}"
+        r = subprocess.run(_shuffle_cmd(src, out, packing), capture_output=True, text=True, preexec_fn=_limited(128))
+        assert r.returncode == 0, r.stderr
+        assert (out / "epoch-00000" / "00000.ds").read_bytes() == want[packing]
+
+
+def test_past_the_hard_limit_it_is_one_line_naming_the_limit_and_out_of_core_needs_few_files(many_shards):
+    """Past the hard limit too (200 files, for 300 shards), the in-memory step is one line whose
+    hint names the limit and --memory; out of core (a smaller --memory) holds open only the
+    shards of the block it reads (here tiny ones, about 150 a block): the same bytes."""
+    root, src, want = many_shards
+    for packing in ("concat", "best-fit"):
+        out = root / f"hard-{packing}"
+        r = subprocess.run(
+            _shuffle_cmd(src, out, packing), capture_output=True, text=True, preexec_fn=_limited(200, 200)
+        )
+        errors = [x for x in r.stderr.splitlines() if x.startswith("tokpack: error:")]
+        assert r.returncode == 1 and len(errors) == 1 and "Traceback" not in r.stderr, r.stderr
+        assert "Too many open files" in errors[0] and "HINT: raise the open-files limit (`ulimit -Hn`" in errors[0]
+        assert not (out / "tokpack.json").exists() and not (out / "epoch-00000" / "tokpack.json").exists()
+        out = root / f"ooc-{packing}"
+        more = ("--memory", "64KiB")
+        r = subprocess.run(
+            _shuffle_cmd(src, out, packing, *more), capture_output=True, text=True, preexec_fn=_limited(200, 200)
+        )
+        assert r.returncode == 0, r.stderr
+        assert (out / "epoch-00000" / "00000.ds").read_bytes() == want[packing]
