@@ -197,3 +197,22 @@ def test_past_the_hard_limit_it_is_one_line_naming_the_limit_and_out_of_core_nee
         )
         assert r.returncode == 0, r.stderr
         assert (out / "epoch-00000" / "00000.ds").read_bytes() == want[packing]
+
+
+def test_to_nodes_raises_its_soft_open_files_limit_too(many_shards):
+    """`shuffle --to-nodes` (not a locked_output command: its lock is the exchange's) in memory
+    maps its sources' shards as well: 2 processes at a soft limit of 128 for 300 shards give
+    the node slices an unlimited run gives (at a hard limit of 128, each node fails on EMFILE)."""
+    from test_mpi import mpi_env, mpirun
+
+    root, src, _ = many_shards
+    slices = []
+    for name, limit in (("free", None), ("soft", _limited(128))):
+        dest = root / f"nodes-{name}" / "n{node}"
+        args = ["--ranks-per-node", "1", "--micro-batch", "1", "--to-nodes", str(dest)]
+        cmd = [mpirun(), "--oversubscribe", "-n", "2", *_shuffle_cmd(src, root / f"run-{name}", "concat", *args)]
+        r = subprocess.run(cmd, capture_output=True, text=True, env=mpi_env(), preexec_fn=limit, timeout=120)
+        assert r.returncode == 0, r.stderr
+        files = sorted((root / f"nodes-{name}").rglob("*.ds"))
+        slices.append([(f.relative_to(root / f"nodes-{name}"), f.read_bytes()) for f in files])
+    assert len(slices[0]) == 2 and slices[0] == slices[1]
