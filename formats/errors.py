@@ -66,11 +66,15 @@ class IncompleteError(TokpackError):
     """A directory without its tokpack.json: a run that has not finished, not corrupt data."""
 
 
+# EMFILE past the hard limit a writing command raises its soft one to (guard.raise_open_files_limit)
+OPEN_FILES_HINT = "raise the open-files limit (`ulimit -Hn`, then `ulimit -n`), or give a smaller --memory, and rerun"
+
+
 def task_failed(job_name: str, rank: int, tasks: int, e: OSError) -> TokpackError:
     """An OSError in a task (disk full, permissions...) is the user's to fix, then rerun."""
     hint = "fix the cause and rerun the same command; finished outputs are kept"
-    if getattr(e, "errno", None) == errno.EMFILE:  # past the hard limit tokpack raises its soft one to
-        hint = "raise the open-files limit (`ulimit -Hn`, then `ulimit -n`), or give a smaller --memory, and rerun"
+    if getattr(e, "errno", None) == errno.EMFILE:
+        hint = OPEN_FILES_HINT
     return TokpackError(f"{job_name} task {rank} of {tasks} failed: {e}", file=getattr(e, "filename", None), hint=hint)
 
 

@@ -7,6 +7,7 @@ and where each goes (the caller's `route`), not what a node keeps of them (the c
 
 from __future__ import annotations
 
+import errno
 import os
 import select
 import signal
@@ -16,7 +17,7 @@ from contextlib import suppress
 
 import numpy as np
 
-from tokpack.formats.errors import TokpackError
+from tokpack.formats.errors import OPEN_FILES_HINT, TokpackError
 from tokpack.formats.guard import is_no_space
 from tokpack.formats.io.memory import Buffer
 from tokpack.formats.io.reads import Worker
@@ -324,7 +325,8 @@ def as_error(e: Exception) -> Exception:
             hint="free some space on that node (or give it another DEST), then rerun the same "
             "command: the epochs complete on every node are kept",
         )
-    return TokpackError(f"{type(e).__name__}: {e.strerror or e}", file=e.filename)
+    hint = OPEN_FILES_HINT if e.errno == errno.EMFILE else None
+    return TokpackError(f"{type(e).__name__}: {e.strerror or e}", file=e.filename, hint=hint)
 
 
 def exchange_rounds(comm, MPI, reads, per_round: int, row: int, dtype, route, deliver, per_node: int = 1) -> int:

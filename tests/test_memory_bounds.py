@@ -202,7 +202,7 @@ def test_past_the_hard_limit_it_is_one_line_naming_the_limit_and_out_of_core_nee
 def test_to_nodes_raises_its_soft_open_files_limit_too(many_shards):
     """`shuffle --to-nodes` (not a locked_output command: its lock is the exchange's) in memory
     maps its sources' shards as well: 2 processes at a soft limit of 128 for 300 shards give
-    the node slices an unlimited run gives (at a hard limit of 128, each node fails on EMFILE)."""
+    the node slices an unlimited run gives; at a hard limit of 128, a node's line names the limit."""
     from test_mpi import mpi_env, mpirun
 
     root, src, _ = many_shards
@@ -216,3 +216,9 @@ def test_to_nodes_raises_its_soft_open_files_limit_too(many_shards):
         files = sorted((root / f"nodes-{name}").rglob("*.ds"))
         slices.append([(f.relative_to(root / f"nodes-{name}"), f.read_bytes()) for f in files])
     assert len(slices[0]) == 2 and slices[0] == slices[1]
+    args = ["--ranks-per-node", "1", "--micro-batch", "1", "--to-nodes", str(root / "nodes-hard" / "n{node}")]
+    cmd = [mpirun(), "--oversubscribe", "-n", "2", *_shuffle_cmd(src, root / "run-hard", "concat", *args)]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=mpi_env(), preexec_fn=_limited(128, 128), timeout=120)
+    errors = [x for x in r.stderr.splitlines() if x.startswith("tokpack: error:")]
+    assert r.returncode != 0 and errors and "Traceback" not in r.stderr, r.stderr
+    assert all("Too many open files" in x and "HINT: raise the open-files limit" in x for x in errors), errors
