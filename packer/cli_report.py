@@ -14,7 +14,7 @@ import traceback
 
 import click
 
-from tokpack.formats.errors import TokpackError, UsageError
+from tokpack.formats.errors import OPEN_FILES_HINT, TokpackError, UsageError
 from tokpack.formats.io.progress_log import logging_every
 from tokpack.packer.cli_options import given_log_interval
 
@@ -77,6 +77,7 @@ _OS_HINTS = {
     errno.EDQUOT: "the disk quota is exhausted: free some space, then rerun the same command to resume",
     errno.ENOENT: "check the path",
     errno.ENOTDIR: "a part of the path is a file, not a directory: check the path",
+    errno.EMFILE: OPEN_FILES_HINT,
 }
 
 

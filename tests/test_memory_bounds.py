@@ -202,7 +202,8 @@ def test_past_the_hard_limit_it_is_one_line_naming_the_limit_and_out_of_core_nee
 def test_to_nodes_raises_its_soft_open_files_limit_too(many_shards):
     """`shuffle --to-nodes` (not a locked_output command: its lock is the exchange's) in memory
     maps its sources' shards as well: 2 processes at a soft limit of 128 for 300 shards give
-    the node slices an unlimited run gives; at a hard limit of 128, a node's line names the limit."""
+    the node slices an unlimited run gives, and a replacement node at 100 rebuilds node 0's; at a
+    hard limit of 128, a node's line names the limit."""
     from test_mpi import mpi_env, mpirun
 
     root, src, _ = many_shards
@@ -216,6 +217,19 @@ def test_to_nodes_raises_its_soft_open_files_limit_too(many_shards):
         files = sorted((root / f"nodes-{name}").rglob("*.ds"))
         slices.append([(f.relative_to(root / f"nodes-{name}"), f.read_bytes()) for f in files])
     assert len(slices[0]) == 2 and slices[0] == slices[1]
+    # the replacement node (stage --node on that RUN) reads every shard too: node 0's slice again
+    rebuilt = root / "rebuilt"
+    args = ["--node", "0/2", "--ranks-per-node", "1", "--micro-batch", "1"]
+    cmd = [sys.executable, "-m", "tokpack", "stage", str(root / "run-free"), str(rebuilt), *args]
+    r = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=_limited(100), timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert [(f.name, f.read_bytes()) for f in sorted(rebuilt.rglob("*.ds"))] == [
+        (name.name, data) for name, data in slices[0] if name.parts[0] == "n0"
+    ]
+    cmd[cmd.index(str(rebuilt))] = str(root / "rebuilt-hard")
+    r = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=_limited(100, 100), timeout=120)
+    assert r.returncode == 1 and r.stderr.count("tokpack: error:") == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "Too many open files (EMFILE). HINT: raise the open-files limit" in r.stderr, r.stderr
     args = ["--ranks-per-node", "1", "--micro-batch", "1", "--to-nodes", str(root / "nodes-hard" / "n{node}")]
     cmd = [mpirun(), "--oversubscribe", "-n", "2", *_shuffle_cmd(src, root / "run-hard", "concat", *args)]
     r = subprocess.run(cmd, capture_output=True, text=True, env=mpi_env(), preexec_fn=_limited(128, 128), timeout=120)
