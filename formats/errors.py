@@ -66,7 +66,7 @@ class IncompleteError(TokpackError):
     """A directory without its tokpack.json: a run that has not finished, not corrupt data."""
 
 
-# EMFILE past the hard limit a writing command raises its soft one to (guard.raise_open_files_limit)
+# EMFILE past the hard limit the gate raises the soft one to (formats.io.gate.more_files)
 OPEN_FILES_HINT = "raise the open-files limit (`ulimit -Hn`, then `ulimit -n`), or give a smaller --memory, and rerun"
 
 

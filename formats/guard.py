@@ -307,7 +307,6 @@ def locked_output(command: str, arg: str = "output"):
 
         @functools.wraps(fn)
         def locked(*args, **kwargs):
-            raise_open_files_limit()
             target = str(signature.bind(*args, **kwargs).arguments[arg])
             if "://" in target:  # not a local directory: the entry point refuses it or stages it
                 return fn(*args, **kwargs)
@@ -317,20 +316,6 @@ def locked_output(command: str, arg: str = "output"):
         return locked
 
     return wrap
-
-
-def raise_open_files_limit() -> None:
-    """This process's soft limit on open files raised to its hard one, as `ulimit -n` may. The
-    in-memory steps map every source shard at once and Python before 3.13 holds a file open per
-    mapping: a source of 1,500 shards failed with EMFILE at the usual soft limit, 1,024. Worker
-    processes started after inherit it."""
-    with contextlib.suppress(ImportError, ValueError, OSError):  # no resource module, or a cap
-        import resource
-
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        want = 1 << 20 if hard == resource.RLIM_INFINITY else hard  # Linux's default fs.nr_open
-        if soft != resource.RLIM_INFINITY and soft < want:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
 
 
 # --------------------------------------------------------------------------- free space

@@ -76,7 +76,7 @@ from pathlib import Path
 import numpy as np
 
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.guard import OutputLock, check_space, holder_name, raise_open_files_limit
+from tokpack.formats.guard import OutputLock, check_space, holder_name
 from tokpack.formats.io.gate import read_limited
 from tokpack.formats.io.progress_log import progress
 from tokpack.formats.io.writes import write_bytes_atomic
@@ -181,7 +181,6 @@ def shuffle_to_nodes(spec: ShuffleSpec, *, log=None) -> dict:
     `spec.nodes.dest` (`{node}` -> n); RUN (`spec.output`) gets the run's manifests and row hashes.
     `spec.nodes.keep_sources`: a local folder (`{node}` -> n) where the process keeps the source
     shards it reads, and reads them from in later epochs. Returns this process's summary."""
-    raise_open_files_limit()  # as every other writing command's (guard.locked_output)
     stop = OnSigterm()
     try:
         return _shuffle_to_nodes(stop, spec, log)

@@ -22,7 +22,7 @@ import numpy as np
 
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.constants import EPOCH, MANIFEST, PAD_DTYPE, SLICE, WORK_DIR
-from tokpack.formats.guard import OutputLock, holder_name, raise_open_files_limit
+from tokpack.formats.guard import OutputLock, holder_name
 from tokpack.formats.io.gate import read_limited
 from tokpack.formats.names import epoch_dir_name
 from tokpack.formats.reading import parse_manifest
@@ -97,7 +97,6 @@ def stage_replacement(
     out, dest = Path(run_dir), Path(dest)
     a, b, w = slice_ranks(node=node, ranks_per_node=ranks_per_node, micro_batch=micro_batch)
     RankRows(w, micro_batch, 0)  # its checks, before DEST is locked
-    raise_open_files_limit()  # a reader holds a file a source shard it reads (SourceReader)
     with OutputLock(str(dest), holder_name("stage")):
         previous = own_dest(dest, out, (a, b), w, micro_batch)
         run, root = slice_root_of_run(out, (a, b), w, micro_batch)

@@ -167,7 +167,7 @@ def _shuffle_cmd(src, out, packing: str, *more: str) -> list[str]:
 def test_a_source_of_more_shards_than_the_soft_open_files_limit_shuffles_in_memory(many_shards):
     """The in-memory steps map every shard at once, and Python before 3.13 holds a file a
     mapping: a source of 1,500 shards failed with EMFILE at the usual soft limit of 1,024. The
-    soft limit is raised to the hard one (guard.raise_open_files_limit), as `ulimit -n` may."""
+    gate, meeting EMFILE, raises the soft limit to the hard one and opens again (gate.more_files)."""
     root, src, want = many_shards
     for packing in ("concat", "best-fit"):
         out = root / f"soft-{packing}"
@@ -236,3 +236,44 @@ def test_to_nodes_raises_its_soft_open_files_limit_too(many_shards):
     errors = [x for x in r.stderr.splitlines() if x.startswith("tokpack: error:")]
     assert r.returncode != 0 and errors and "Traceback" not in r.stderr, r.stderr
     assert all("Too many open files" in x and "HINT: raise the open-files limit" in x for x in errors), errors
+
+
+def test_the_gate_raises_the_soft_limit_at_emfile_and_tries_once_more(monkeypatch):
+    """gate.more_files: an EMFILE raises the soft limit (to the hard one; 2^20 for an unlimited
+    hard one) and calls again, once, as it does when another thread raised it since; any other
+    error, or EMFILE when the limit was never raised and cannot be, stands as it came."""
+    import errno
+    import resource
+
+    from tokpack.formats.io import gate
+
+    monkeypatch.setattr(gate, "_RAISED", False)
+    limits, set_to = [(1024, 4096)], []
+    monkeypatch.setattr(resource, "getrlimit", lambda _: limits[0])
+    monkeypatch.setattr(resource, "setrlimit", lambda _, v: set_to.append(v))
+
+    def failing(*codes):
+        left = list(codes)
+
+        def call(x):
+            if left:
+                raise OSError(left.pop(0), "failed")
+            return x
+
+        return call
+
+    assert gate.more_files(failing(errno.EMFILE), 7) == 7 and set_to == [(4096, 4096)]
+    with pytest.raises(OSError) as twice:
+        gate.more_files(failing(errno.EMFILE, errno.EMFILE), 7)
+    assert twice.value.errno == errno.EMFILE and len(set_to) == 2
+    with pytest.raises(OSError) as other:
+        gate.more_files(failing(errno.ENOENT), 7)
+    assert other.value.errno == errno.ENOENT and len(set_to) == 2
+    limits[0] = (1024, resource.RLIM_INFINITY)
+    assert gate.raise_open_files_limit() and set_to[-1] == (1 << 20, resource.RLIM_INFINITY)
+    limits[0] = (4096, 4096)  # raised by another thread after this call failed: made again
+    assert gate.more_files(failing(errno.EMFILE), 7) == 7 and len(set_to) == 3
+    monkeypatch.setattr(gate, "_RAISED", False)  # at the hard limit, never raised: EMFILE stands
+    with pytest.raises(OSError):
+        gate.more_files(failing(errno.EMFILE), 7)
+    assert len(set_to) == 3 and not gate.raise_open_files_limit()

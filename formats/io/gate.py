@@ -10,14 +10,21 @@ import mmap
 import io
 import os
 import stat
+import threading
 from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 
 from ..errors import TokpackError
+
 from .memory import populate
 from .paths import RemotePath, as_path, name_problem
+
+try:  # imported now: at EMFILE, importing it (opening its file) fails too
+    import resource
+except ImportError:  # not a Unix
+    resource = None
 
 
 # Every read of a file tokpack did not just write goes through the gate, `regular_size`
@@ -170,13 +177,49 @@ def wrong_size(path, what: str, size: int, found: int, hint: str | None, manifes
     )
 
 
+def more_files(call, *args, **kwargs):
+    """call(*args, **kwargs), an open or a map of the gate; at EMFILE, made once more after the
+    soft limit on open files is raised to the hard one (as `ulimit -n` may). An in-memory step
+    maps every source shard at once, and Python before 3.13 holds a file open for each mapping:
+    a source of 1,500 shards failed at the usual soft limit, 1,024. Raised where it is met, in
+    whatever process (a worker, an MPI process, a replacement node's reader); past the hard
+    limit the EMFILE stands, and its line names the limit (errors.OPEN_FILES_HINT)."""
+    try:
+        return call(*args, **kwargs)
+    except OSError as e:
+        if e.errno != errno.EMFILE or not raise_open_files_limit():
+            raise
+    return call(*args, **kwargs)
+
+
+_RAISED = False  # this process's soft limit on open files was raised (raise_open_files_limit)
+_RAISING = threading.Lock()
+
+
+def raise_open_files_limit() -> bool:
+    """This process's soft limit on open files raised to its hard one (Linux's fs.nr_open
+    default, 2^20, for an unlimited hard one); whether it was, now or before: a call that met
+    EMFILE while another thread raised it is made again too."""
+    global _RAISED
+    with _RAISING:  # one thread at a time, so that none reads the limit raised before _RAISED says so
+        try:
+            soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+            want = 1 << 20 if hard == resource.RLIM_INFINITY else hard
+            if soft != resource.RLIM_INFINITY and soft < want:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+                _RAISED = True
+        except (AttributeError, ValueError, OSError):  # no resource module (None), or a cap below the hard limit
+            pass
+        return _RAISED
+
+
 def regular_fd(path, **rules) -> int:
     """A read-only descriptor of the local file `path` once it passes the gate (`rules`:
     regular_size's keywords). A FIFO, a socket or a device never blocks the open: the file is
     checked first, then opened with O_NONBLOCK (in case it was swapped in between) and checked
     again on the descriptor."""
     regular_size(path, **rules)
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    fd = more_files(os.open, path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     return _blocking_regular(fd, path, rules.get("size"), rules.get("what", "file"), rules.get("hint"))
 
 
@@ -259,7 +302,8 @@ def open_append(path, *, folder):
             hint="the work folder holds only tokpack's own files: delete it and rerun",
         )
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW
+        fd = more_files(os.open, path, flags, 0o644)
     except OSError as e:  # a FIFO with no reader refuses a non-blocking write open (ENXIO)
         if e.errno != errno.ENXIO:
             raise
@@ -271,7 +315,7 @@ def open_new(path, buffering: int = -1):
     """A file tokpack creates to write whole (a temporary of tmp_path, or a file of a folder it
     is building under a temporary name, renamed once complete): created or truncated, never
     written through a symlink."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+    fd = more_files(os.open, path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
     return open(fd, "wb", buffering=buffering)
 
 
@@ -279,7 +323,7 @@ def hash_mapped(h, fd: int, offset: int, length: int) -> None:
     """Feeds bytes [offset, offset+length) of a gated descriptor to `h` through a memory map of
     just that range (page-cache pages, no copy), so resident memory stays at one block."""
     skip = offset % mmap.ALLOCATIONGRANULARITY  # map offsets must be aligned
-    with mmap.mmap(fd, length + skip, offset=offset - skip, access=mmap.ACCESS_READ) as mm:
+    with more_files(mmap.mmap, fd, length + skip, offset=offset - skip, access=mmap.ACCESS_READ) as mm:
         if hasattr(mm, "madvise"):
             mm.madvise(mmap.MADV_SEQUENTIAL)
         with memoryview(mm) as view, view[skip:] as chunk:
@@ -394,7 +438,7 @@ def _mapped(f, offset: int, length: int) -> tuple[np.ndarray, bool]:
             found=f"{size} bytes",
             hint="the file was truncated or replaced since it was checked",
         )
-    m = mmap.mmap(f.fileno(), offset + length - start, prot=mmap.PROT_READ, offset=start)
+    m = more_files(mmap.mmap, f.fileno(), offset + length - start, prot=mmap.PROT_READ, offset=start)
     view = np.frombuffer(m, dtype=np.uint8)
     return view[offset - start : offset - start + length], populate(view.ctypes.data, len(m))
 
