@@ -1373,6 +1373,28 @@ def test_a_runs_epochs_hold_no_job_per_shard(env, tmp_path, monkeypatch):
     assert most[0] <= 2, f"{most[0]} shard checks held at once for {len(held)} shards"
 
 
+def test_a_partial_stages_complete_epoch_keeps_its_whole_epoch_check(env, tmp_path):
+    """In a partial stage, an epoch none of whose shards is absent is whole: its samples'
+    multiset is recomputed and compared (only an epoch missing shards skips that check)."""
+    from tokpack.formats.constants import STAGE_SIDECAR
+    from tokpack.formats.reading import canonical_bytes
+    from tokpack.packer.api import stage
+
+    dst = tmp_path / "dst"
+    stage(env / "run", dst, ranks="0/4", micro_batch=8)
+    side = json.loads((dst / STAGE_SIDECAR).read_text())
+    for name in side["missing_shards"].pop("epoch-00000"):  # epoch 0 made whole again
+        for f in (env / "run" / "epoch-00000").glob(name + "*"):
+            shutil.copy(f, dst / "epoch-00000" / f.name)
+    (dst / STAGE_SIDECAR).write_bytes(canonical_bytes(side))
+    report = validate_dirs([str(dst)], quick=False)
+    epochs = {Path(d.path).name: d for d in report.dirs if Path(d.path).name.startswith("epoch-")}
+    assert [p.message for d in report.dirs for p in d.problems] == [
+        "partial stage: serves only the ranks it was staged for"
+    ]
+    assert epochs["epoch-00000"].multiset is not None and epochs["epoch-00001"].multiset is None
+
+
 def test_token_files_gone_from_a_run_are_missing_unless_it_says_its_tokens_are_on_the_nodes(env, tmp_path):
     """An epoch folder whose token files are gone but whose row hashes are there is a damaged
     run, reported as such; only a run that declares itself written by shuffle --to-nodes
