@@ -6,6 +6,7 @@ every process. Each test fails on the main branch before this fix (the docstring
 from __future__ import annotations
 
 import json
+import contextlib
 import os
 import signal
 import subprocess
@@ -292,6 +293,20 @@ def test_a_replacement_node_names_runs_damaged_row_file_not_the_sources(packing,
 # ------------------------------------------------------------------ SIGTERM to the launcher
 
 
+def _ahead_of_the_suite(pids: list[str]) -> None:
+    """As root, every thread of the job's processes at nice -10: the suite's other worker then
+    cannot hold a process off the CPU through Open MPI's 0.25 s between SIGTERM and SIGKILL (in
+    CI, 1 node of 4 printed its line once), so the floor below measures tokpack, not the load.
+    Nice values are a thread's on Linux: each thread is set, the SIGTERM watcher's included."""
+    if os.geteuid() != 0:
+        return
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with contextlib.suppress(OSError):
+                    os.setpriority(os.PRIO_PROCESS, int(tid), -10)
+
+
 def test_a_sigterm_to_mpirun_is_one_line_on_every_node_and_a_rerun_resumes(tmp_path):
     """SIGTERM to mpirun itself while the exchange runs: Open MPI forwards it to every process
     and SIGKILLs them about 0.25 s later, no longer forwarding their stderr; each process still
@@ -311,6 +326,7 @@ def test_a_sigterm_to_mpirun_is_one_line_on_every_node_and_a_rerun_resumes(tmp_p
     try:
         time.sleep(0.3)  # inside the exchange's rounds
         kids = subprocess.run(["pgrep", "-P", str(job.pid)], capture_output=True, text=True).stdout.split()
+        _ahead_of_the_suite(kids)
         if job.poll() is not None:
             _, err = job.communicate()
             raise AssertionError(f"the job finished ({job.returncode}) before it could be stopped: {err[-3000:]}")
