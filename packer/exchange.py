@@ -106,12 +106,13 @@ from tokpack.packer.node_store import write_slice_epoch, write_through_pays
 from tokpack.packer.owned_facts import KeptFacts, OwnedShards, send_facts
 from tokpack.packer.phases import Phases, collecting, count, phase, process_cpu, timed
 from tokpack.packer.rank_files import ready_epoch_dir
-from tokpack.packer.slicing import slice_ranks
+from tokpack.packer.stage_plan import slice_ranks
 from tokpack.packer.stall import DEFAULT_STALL_TIMEOUT, StallWatch, progressed
 from tokpack.packer.transport import OnSigterm, exchange_rounds, world
 from tokpack.shuffle import packings
 from tokpack.shuffle.sources import use_kept_sources
-from tokpack.shuffle.run import epoch_manifest_of, run_summary, setup_run
+from tokpack.shuffle.run import run_summary
+from tokpack.shuffle.run_setup import epoch_manifest_of, setup_run
 from tokpack.shuffle.spec import ShuffleSpec
 from tokpack.shuffle.steps import Layout
 

@@ -29,8 +29,7 @@ from tokpack.formats.io.gate import iter_mapped, open_new, read_limited
 from tokpack.formats.constants import MANIFEST, MAX_MANIFEST_BYTES, RUN, SOURCE
 from tokpack.formats.reading import canonical_bytes, read_manifest
 from tokpack.packer.stage_dest import in_place, node_dest
-from tokpack.shuffle.plan import is_virtual
-from tokpack.shuffle.sources import open_source, source_location
+from tokpack.shuffle.sources import is_virtual, open_source, source_location
 from tokpack.shuffle.epoch_job import source_changed_error
 
 # In a --keep-sources folder: each kept source's location (as manifests name it) -> its fingerprint,

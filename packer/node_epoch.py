@@ -27,8 +27,8 @@ from tokpack.packer.transport import MAX_MESSAGE_BYTES
 from tokpack.shuffle import packings
 from tokpack.shuffle.packed.table import RECORD
 from tokpack.shuffle.source_windows import iter_source_windows
-from tokpack.shuffle.steps import ShardHashes, shard_segments, split_shards
-from tokpack.shuffle.epoch_job import source_changed_error
+from tokpack.shuffle.steps import shard_segments, split_shards
+from tokpack.shuffle.epoch_job import ShardHashes, source_changed_error
 
 # Rows a round's buffers hold at least: fewer, and the exchange spends its time per round.
 MIN_ROUND_ROWS = 4

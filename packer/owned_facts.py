@@ -33,7 +33,8 @@ from tokpack.formats.errors import TokpackError
 from tokpack.formats.io.gate import open_new, open_read
 from tokpack.formats.io.writes import tmp_path
 from tokpack.formats.outputs import EpochShardFormat, LocalOutput, Output, ShardPlace
-from tokpack.formats.shards import PAD_SUFFIX, ROWS_SUFFIX, fragment_ends, shard_files
+from tokpack.formats.constants import PAD_SUFFIX, ROWS_SUFFIX
+from tokpack.formats.shards import fragment_ends, shard_files
 from tokpack.packer.node_epoch import NodeEpoch
 from tokpack.packer.pieces import ranges
 from tokpack.packer.transport import process_name, send_each

@@ -7,7 +7,7 @@ byte and a projection. Phases nest: an inner phase's time is its own, not its ca
 
 The phases, and the thread each runs on:
   read         the source blocks read and their shards' xxh3_128 fed (windows: the read-ahead
-               thread, tokpack.formats.io.read_ahead; best-fit: the main thread maps and hashes)
+               thread, tokpack.formats.io.reads.read_ahead; best-fit: the main thread maps and hashes)
   cut          the blocks cut into pieces of output rows (main thread)
   route        the rounds' agreement, counts, send buffers and Alltoallv (main thread; MPI's
                wait for its peers is CPU too where it polls); its bytes: the tokens sent (each

@@ -61,10 +61,11 @@ def _node_epoch_figures(
     its NodeEpoch (the slice's positions, the owned shards, keep_bytes), its runs of source
     shards (split_shards), memory_plan, and the destination exchange_epoch sends each piece to
     (the node that reads its row; its shard's owner gets only the row's facts)."""
-    from tokpack.formats.shards import U64
+    from tokpack.formats.constants import U64
     from tokpack.packer.node_epoch import NodeEpoch, memory_plan
     from tokpack.packer.pieces import WIRE_PIECE
-    from tokpack.packer.slicing import slice_files, slice_ranks
+    from tokpack.packer.slicing import slice_files
+    from tokpack.packer.stage_plan import slice_ranks
     from tokpack.shuffle import packings
     from tokpack.shuffle.steps import shard_segments
 
@@ -230,7 +231,8 @@ def _planned_manifest(job, sources, memory: int):
     counted by packing its passes once more, as plan shuffle shows it) and each shard's
     pad_xxh3_128, which --to-nodes RUNs hold (tokpack.shuffle.run.epoch_manifest_of)."""
     from tokpack.shuffle import packings
-    from tokpack.shuffle.run import epoch_manifest_of, planned_epoch_manifest
+    from tokpack.shuffle.run import planned_epoch_manifest
+    from tokpack.shuffle.run_setup import epoch_manifest_of
 
     manifest, entry = planned_epoch_manifest(job, sources), packings.of_plan(job.plan)
     if entry.figures is None:
@@ -310,9 +312,11 @@ def plan_to_nodes(
     from tokpack.formats.builders import nodes_sidecar
     from tokpack.formats.slices import RankRows
     from tokpack.shuffle import packings
-    from tokpack.packer.slicing import SLICE_ENTRY_BYTES, SLICE_HEADER_BYTES, slice_ranks
+    from tokpack.packer.slicing import SLICE_ENTRY_BYTES, SLICE_HEADER_BYTES
+    from tokpack.packer.stage_plan import slice_ranks
     from tokpack.packer.stage_dest import dest_template, in_place, local_dirs, node_dest, on_disk, run_numbering
-    from tokpack.shuffle.run import repeat_warnings, setup_run
+    from tokpack.shuffle.run import repeat_warnings
+    from tokpack.shuffle.run_setup import setup_run
 
     dest, keep_sources, memory = spec.nodes.dest, spec.nodes.keep_sources, spec.memory
     ranks_per_node, micro_batch = spec.nodes.ranks_per_node, spec.nodes.micro_batch

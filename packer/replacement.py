@@ -29,7 +29,8 @@ from tokpack.formats.reading import parse_manifest
 from tokpack.formats.hashes import row_hashes
 from tokpack.formats.numbering import EpochNumbering
 from tokpack.formats.outputs import EpochShardFormat, LocalOutput, Output
-from tokpack.formats.shards import PAD_SUFFIX, ROWS_SUFFIX, RowFacts, tokens_on_nodes
+from tokpack.formats.constants import PAD_SUFFIX, ROWS_SUFFIX
+from tokpack.formats.shards import RowFacts, tokens_on_nodes
 from tokpack.formats.slices import RankRows, slice_epoch_manifest
 from tokpack.packer.kept_sources import file_xxh3_128
 from tokpack.packer.lifetime import children_bound, set_parent_death_signal
@@ -298,7 +299,7 @@ class SourceRows:
             self._rebuild_table(packing, memory)
 
     def _rebuild_table(self, packing, memory: int) -> None:
-        from tokpack.shuffle.steps import EpochJob
+        from tokpack.shuffle.epoch_job import EpochJob
 
         m = self.m
         job = EpochJob(

@@ -28,7 +28,8 @@ from tokpack.formats.io.gate import open_read
 from tokpack.formats.io.reads import read_full
 from tokpack.formats.hashes import hash_hex64, order_hash, row_hashes
 from tokpack.formats.packing import has_pad
-from tokpack.formats.shards import PAD_DTYPE, PAD_SUFFIX, ROW_HASH_DTYPE, ROWS_SUFFIX, tokens_on_nodes
+from tokpack.formats.constants import PAD_DTYPE, PAD_SUFFIX, ROW_HASH_DTYPE, ROWS_SUFFIX
+from tokpack.formats.shards import tokens_on_nodes
 
 from .dir_checks import DirReport
 from .slice_validation import RowDiffs

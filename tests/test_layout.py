@@ -188,6 +188,66 @@ def test_module_imports_have_no_cycle():
         assert False, f"import cycle: {' -> '.join(reversed(cycle.args[1]))}"
 
 
+def _defined_at_top(path: Path) -> tuple[set[str], set[str]]:
+    """The names a module defines itself (def, class, assignment) and those it only imports."""
+    defined, imported = set(), set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            defined.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            defined |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            imported |= {(alias.asname or alias.name).split(".")[0] for alias in node.names}
+    return defined, imported - defined
+
+
+def borrowed_names(modules: dict[str, Path], root: Path = REPO) -> list[str]:
+    """`from M import x` (or `from .M import x`) where module M only imports x: the name has a
+    home elsewhere, and a reader (or the next change) following it lands in a module that does
+    not hold it."""
+    found = []
+    for name, path in sorted(modules.items()):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            base = node.module or ""
+            if node.level:
+                package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+                base = ".".join(package[: len(package) - node.level + 1] + ([base] if base else []))
+            source = modules.get(base)
+            if source is None or source.name == "__init__.py":  # a package may gather its names
+                continue
+            _, only_imported = _defined_at_top(source)
+            for alias in node.names:
+                if alias.name in only_imported:
+                    found.append(f"{path.relative_to(root)}:{node.lineno} takes {alias.name} through {base}")
+    return found
+
+
+def test_each_name_is_imported_from_its_home():
+    """A name is imported from the module that defines it, not through one that imports it."""
+    assert borrowed_names(project_modules()) == []
+
+
+def test_the_home_check_sees_a_borrowed_name(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    files = {
+        "tokpack.home": ("home.py", "def f():\n    pass\n"),
+        "tokpack.middle": ("middle.py", "from tokpack.home import f\n\n\ndef g():\n    return f()\n"),
+        "tokpack.user": ("user.py", "from tokpack.middle import f, g\n"),
+        "tokpack.pkg.near": ("pkg/near.py", "from tokpack.home import f\n"),
+        "tokpack.pkg.rel": ("pkg/rel.py", "from .near import f\n"),
+    }
+    for rel, text in files.values():
+        (tmp_path / rel).write_text(text)
+    modules = {name: tmp_path / rel for name, (rel, _) in files.items()}
+    assert borrowed_names(modules, tmp_path) == [
+        "pkg/rel.py:1 takes f through tokpack.pkg.near",
+        "user.py:1 takes f through tokpack.middle",
+    ]
+
+
 def test_import_graph_sees_lazy_and_relative_imports():
     """The graph the cycle check walks holds the imports a cycle could hide in."""
     graph = import_graph()

@@ -355,7 +355,7 @@ def map_array(path, dtype, **rules) -> np.ndarray:
     """A whole local file, through the gate, as a read-only array (np.memmap: its pages are
     read when used, none up front)."""
     with open_read(path, ahead=False, **rules) as f:
-        return np.memmap(f, dtype=dtype, mode="r")
+        return more_files(np.memmap, f, dtype=dtype, mode="r")  # np.memmap dups the file for its mmap
 
 
 def sequential(f) -> None:
