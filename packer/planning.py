@@ -277,22 +277,22 @@ def plan_stage(directory, dest, selection: dict, *, disk_mbps: float | None = No
     else:
         kind, plans = make_plan(src, parse_epochs(epochs), parse_ranks(ranks), micro_batch)
         dest = Path(dest)
-        jobs = [j for p in plans for j in p.jobs]
+        jobs = lambda: (j for p in plans for j in p.jobs)  # noqa: E731 - each made as its turn comes
         passes = [
             plan_pass(
                 "copy",
-                len(jobs),
+                sum(len(p.jobs) for p in plans),
                 STAGE_BLOCK,
-                sum(j.size or 0 for j in jobs),
+                sum(j.size or 0 for j in jobs()),
                 bytes_to_copy(dest, plans),
-                files_in_place=sum(in_place(dest / j.rel, j.size) for j in jobs),
+                files_in_place=sum(in_place(dest / j.rel, j.size) for j in jobs()),
             )
         ]
         manifests = {f"{p.rel}/{MANIFEST}".lstrip("/"): len(canonical_bytes(p.manifest)) for p in plans}
         need = bytes_to_write(dest, plans)
         fields = dict(
             path=kind,
-            shards=sum(j.rel.endswith(".ds") for j in jobs),
+            shards=sum(j.rel.endswith(".ds") for j in jobs()),
             note=whole_copy_note(plans, parse_ranks(ranks), micro_batch, src.path, str(dest)),
         )
     return planned_result(

@@ -376,10 +376,10 @@ def stage(
             hint="check the path and its permissions",
         ) from None
 
-    jobs = [j for p in plans for j in p.jobs]
-    total = sum(j.size or 0 for j in jobs)
+    files = sum(len(p.jobs) for p in plans)
+    total = sum(j.size or 0 for p in plans for j in p.jobs)
     if log:
-        log(f"stage: {kind} {src.path} -> {dest}: {len(jobs)} files, {total / 2**20:,.1f} MiB, {workers} workers")
+        log(f"stage: {kind} {src.path} -> {dest}: {files} files, {total / 2**20:,.1f} MiB, {workers} workers")
         note = whole_copy_note(plans, ranks, micro_batch, src.path, str(dest))
         if note:
             log(note)
@@ -391,10 +391,11 @@ def stage(
         stager = _Stager(src, dest, block, fetchers, output)
         stager.bar = bar
         # A few copies queued ahead of the pool, not a future per file: a source of 50,000 shards
-        # (150,000 files) held 230 MB of futures, one of 1.5M entries would hold 7 GB.
+        # (150,000 files) held 230 MB of futures, one of 1.5M entries would hold 7 GB. Each job is
+        # made as its turn comes (stage_plan.CopyJobs): the queued copies' jobs are all that is held.
         remaining: set = set()
         try:
-            for j in jobs:
+            for j in (j for p in plans for j in p.jobs):
                 remaining.add(pool.submit(stager.run_job, j))
                 if len(remaining) >= 4 * max(1, workers):
                     remaining = _copied(remaining, FIRST_COMPLETED)
@@ -444,7 +445,7 @@ def stage(
         epochs=[p.manifest.get(EPOCH) for p in plans if p.manifest.get("kind") == EPOCH and p.rel != HOLDOUT_DIR]
         if kind != SOURCE
         else None,
-        files=len(jobs) + len(plans),
+        files=files + len(plans),
         copied_files=stager.copied,
         skipped_files=stager.skipped,
         bytes_copied=stager.bytes_copied,

@@ -110,6 +110,36 @@ def test_stage_queues_a_few_copies_ahead_not_a_future_per_file(tmp_path, monkeyp
     assert most[0] <= 8, f"{most[0]} copies queued at once for 180 files"
 
 
+def test_stage_holds_the_copy_jobs_of_its_queued_copies_not_one_per_file(tmp_path, monkeypatch):
+    """stage of a 100-shard source (300 files) with 2 workers: at most the 8 queued copies' jobs
+    and the rest of one shard's files are alive at once, where every file had its CopyJob from
+    the plan to the end (150,000 files held 60 MB, with their entries); the copy is the source."""
+    from tokpack.packer import stage_plan
+    from tokpack.packer.api import stage
+
+    docs = random_docs(np.random.default_rng(6), 100, 1000, 0, min_len=20, max_len=40)
+    src = write_source(tmp_path / "s", docs, docs_per_shard=1)
+    live, most, lock = [0], [0], threading.Lock()
+
+    class Counted(stage_plan.CopyJob):
+        def __init__(self, *args):
+            super().__init__(*args)
+            with lock:
+                live[0] += 1
+                most[0] = max(most[0], live[0])
+
+        def __del__(self):
+            with lock:
+                live[0] -= 1
+
+    monkeypatch.setattr(stage_plan, "CopyJob", Counted)
+    r = stage(src, tmp_path / "dst", workers=2)
+    files = sorted(p.name for p in src.iterdir())
+    assert r.files == len(files) == 301 and files == sorted(p.name for p in (tmp_path / "dst").iterdir())
+    assert all((src / f).read_bytes() == (tmp_path / "dst" / f).read_bytes() for f in files)
+    assert most[0] <= 4 * 2 + 3, f"{most[0]} copy jobs alive at once for 300 files"
+
+
 def test_inspect_of_a_source_reads_no_dict_per_shard_entry(small_source, monkeypatch):
     """inspect of a source reads its manifest as PackedSource does, its shard entries from the
     text as used: it read it whole first (every entry a dict, held to the end: 30 MB of 104 at
