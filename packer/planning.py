@@ -277,7 +277,7 @@ def plan_stage(directory, dest, selection: dict, *, disk_mbps: float | None = No
     else:
         kind, plans = make_plan(src, parse_epochs(epochs), parse_ranks(ranks), micro_batch)
         dest = Path(dest)
-        jobs = lambda: (j for p in plans for j in p.jobs)  # noqa: E731 - each made as its turn comes
+        jobs = lambda: (j for p in plans for j in p.jobs)  # each made as its turn comes (stage_plan.CopyJobs)
         passes = [
             plan_pass(
                 "copy",
