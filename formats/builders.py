@@ -108,7 +108,8 @@ def run_manifest(
     weights: list | None,
     extra: dict | None = None,
 ) -> dict:
-    """`epochs`: the manifests of the epochs written so far, by number; `sources`: an epoch's entries;
+    """`epochs`: the manifests of the epochs written so far, by number (only their `tokens` and
+    `fragments` are read: shuffle passes those alone); `sources`: an epoch's entries;
     `extra`: a scheduled run's fields (epoch_samples, schedule...)."""
     written = [upgrade(m) for m in epochs.values()]
     sources = [{k: s[k] for k, field in SOURCE_FIELDS.items() if RUN in field[2]} for s in sources]

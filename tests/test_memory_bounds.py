@@ -307,3 +307,44 @@ def test_the_gate_raises_the_soft_limit_at_emfile_and_tries_once_more(monkeypatc
     with pytest.raises(OSError):
         gate.more_files(failing(errno.EMFILE), 7)
     assert len(set_to) == 3 and not gate.raise_open_files_limit()
+
+
+def test_a_rerun_holds_one_written_epochs_manifest_at_a_time(tmp_path, monkeypatch):
+    """A rerun over written epochs reads and checks each one's manifest (a dict per shard entry):
+    before the run, and for the run manifest it writes after every epoch. It held every epoch's
+    at once (4 epochs of 2,000 shards, each 1.35 MiB read: 6.8 MiB at the peak, 3.0 MiB for one
+    epoch); now one at a time (3.0 MiB for 4 epochs as for one). The run manifest is the same bytes."""
+    import weakref
+
+    from tests.conftest import shuffle_run
+    from tokpack.formats.constants import EPOCH
+    from tokpack.shuffle import run_setup
+
+    src = write_source(tmp_path / "s", random_docs(np.random.default_rng(2), 40, 1000, 0))
+    out = tmp_path / "run"
+    kw = dict(seq_len=7, seed=3, samples=30, shard_samples=10, memory=8 << 20)
+    shuffle_run([str(src)], str(out), epochs=[0, 1, 2, 3], **kw)
+    before = (out / MANIFEST).read_bytes()
+
+    class Held(dict):  # a dict a weak reference can follow: when the last user lets it go
+        pass
+
+    live, most, reads, read = [0], [0], [0], run_setup.read_manifest
+
+    def counted(directory, kind=None, checked=True):
+        if kind != EPOCH:
+            return read(directory, kind, checked)
+        held = Held(read(directory, kind, checked))
+        live[0] += 1
+        reads[0] += 1
+        most[0] = max(most[0], live[0])
+        weakref.finalize(held, lambda: live.__setitem__(0, live[0] - 1))
+        return held
+
+    monkeypatch.setattr(run_setup, "read_manifest", counted)
+    r = shuffle_run([str(src)], str(out), epochs=[0, 1, 2, 3], **kw)
+    assert r["skipped"] == [0, 1, 2, 3] and (out / MANIFEST).read_bytes() == before
+    assert reads[0] >= 8 and most[0] == 1, f"{most[0]} epoch manifests held at once over {reads[0]} reads"
+    r = shuffle_run([str(src)], str(out), epochs=[0, 1, 2, 3, 4], **kw)  # and one written after them
+    assert r["written"] == [4] and r["epochs"] == [0, 1, 2, 3, 4]
+    assert reads[0] >= 8 + 9 and most[0] == 1, f"{most[0]} epoch manifests held at once over {reads[0]} reads"
