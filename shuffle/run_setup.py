@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import xxhash
@@ -48,14 +48,14 @@ def open_sources(paths: list[str]) -> list[PackedSource]:
     sources = [open_source(p) for p in paths]
     first = sources[0]
     for src in sources[1:]:
-        for field in ("dtype", "vocab_size", "eos_id"):
-            if src.manifest.get(field) != first.manifest.get(field):
+        for name in ("dtype", "vocab_size", "eos_id"):
+            if src.manifest.get(name) != first.manifest.get(name):
                 raise TokpackError(
                     "sources disagree",
                     file=src.path,
-                    where=field,
-                    expected=f"{first.manifest.get(field)} (as in {first.path})",
-                    found=src.manifest.get(field),
+                    where=name,
+                    expected=f"{first.manifest.get(name)} (as in {first.path})",
+                    found=src.manifest.get(name),
                     hint="mix only sources packed with the same tokenizer and dtype",
                 )
     seen: dict = {}
@@ -86,6 +86,9 @@ class RunSetup:
     runplan: RunPlan  # the run's stages (one, for a run made with flags), planning any epoch
     run_params: dict | None  # a run made from a schedule file: its schedule, fixed when the run is created
     holdout: EpochJob | None = None  # RUN/holdout/ to write (shuffle --holdout), once: None when written or none
+    # each written epoch manifest's totals, by its directory, with the file's (inode, size, mtime)
+    # they were read at: the run manifest is rewritten after every epoch, over all written ones
+    totals: dict = field(default_factory=dict)
 
     @property
     def jobs(self) -> list[EpochJob]:
@@ -94,12 +97,18 @@ class RunSetup:
     def written_run_manifest(self, out: Path, plan: EpochPlan, epochs: list[int]) -> dict:
         """The run manifest over `epochs`' manifests written in `out`, keeping what its own says.
         Each is read and checked in turn, and only its totals kept (all of them at once held a dict
-        per shard of every epoch: 1.3 MiB an epoch of 2,000 shards, at every epoch a rerun skips)."""
-        written = {
-            e: epoch_totals(read_manifest(out / epoch_dir_name(e), kind=EPOCH))
-            for e in epochs
-            if (out / epoch_dir_name(e) / MANIFEST).exists()
-        }
+        per shard of every epoch: 1.3 MiB an epoch of 2,000 shards, at every epoch a rerun skips);
+        a manifest unchanged since it was read is not read again (E epochs read E(E+1)/2 of them)."""
+        written = {}
+        for e in epochs:
+            edir = out / epoch_dir_name(e)
+            if not (edir / MANIFEST).exists():
+                continue
+            st = (edir / MANIFEST).stat()
+            key = (st.st_ino, st.st_size, st.st_mtime_ns)
+            if self.totals.get(edir, (None,))[0] != key:
+                self.totals[edir] = key, epoch_totals(read_manifest(edir, kind=EPOCH))
+            written[e] = self.totals[edir][1]
         return self.run_manifest(written, plan, read_manifest(out, kind=RUN) if (out / MANIFEST).exists() else None)
 
     def run_manifest(self, written: dict, plan: EpochPlan, created: dict | None = None) -> dict:

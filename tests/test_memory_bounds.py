@@ -345,6 +345,10 @@ def test_a_rerun_holds_one_written_epochs_manifest_at_a_time(tmp_path, monkeypat
     r = shuffle_run([str(src)], str(out), epochs=[0, 1, 2, 3], **kw)
     assert r["skipped"] == [0, 1, 2, 3] and (out / MANIFEST).read_bytes() == before
     assert reads[0] >= 8 and most[0] == 1, f"{most[0]} epoch manifests held at once over {reads[0]} reads"
+    # each read twice: checked before the run, and once for the run manifest, however many times
+    # that is rewritten (after every epoch: 4 + 1 + 2 + 3 + 4 reads, E(E+1)/2 for E epochs)
+    assert reads[0] == 8, f"{reads[0]} reads of 4 epoch manifests"
     r = shuffle_run([str(src)], str(out), epochs=[0, 1, 2, 3, 4], **kw)  # and one written after them
     assert r["written"] == [4] and r["epochs"] == [0, 1, 2, 3, 4]
     assert reads[0] >= 8 + 9 and most[0] == 1, f"{most[0]} epoch manifests held at once over {reads[0]} reads"
+    assert reads[0] == 8 + 9, f"{reads[0] - 8} reads of 5 epoch manifests, one of them new"
