@@ -281,14 +281,23 @@ def _predict(works: list, rates: Rates) -> dict:
     }
 
 
+def planned(manifest: dict) -> tuple[int, dict]:
+    """What a plan keeps of an epoch's planned manifest: its size and its totals, not a dict per
+    shard of every epoch planned (epochs x shards)."""
+    from tokpack.shuffle.run_setup import epoch_totals
+
+    return len(canonical_bytes(manifest)), epoch_totals(manifest)
+
+
 def shuffle_figures(setup, written: dict, details: list[dict]) -> dict:
     """A planned shuffle's (or --to-nodes') fields over its epochs `details`: the manifests' sizes
-    (each epoch's of `written`, then RUN's), shards, samples_per_epoch, epochs."""
+    (each epoch's of `written`, by `planned`, then RUN's), shards, samples_per_epoch, epochs."""
     from tokpack.shuffle.packed.passes import release_passes
 
-    manifests = {f"{epoch_dir_name(e)}/{MANIFEST}": len(canonical_bytes(m)) for e, m in written.items()}
+    manifests = {f"{epoch_dir_name(e)}/{MANIFEST}": size for e, (size, _) in written.items()}
     if written:
-        manifests[MANIFEST] = len(canonical_bytes(setup.run_manifest(written, setup.todo[-1][1])))
+        totals = {e: t for e, (_, t) in written.items()}
+        manifests[MANIFEST] = len(canonical_bytes(setup.run_manifest(totals, setup.todo[-1][1])))
     release_passes()  # the best-fit passes the plan packed and kept: a caller's process does not keep them
     return {
         "manifests": manifests,
@@ -363,7 +372,7 @@ def plan_to_nodes(
         # the warnings shuffle --to-nodes gives (a plain shuffle's), counted before the epoch's table
         notes += repeat_warnings(epoch, plan.source_report(), setup.runplan.stage_name(epoch))
         manifest, padding = _planned_manifest(job, opened, memory)
-        written_manifests[epoch] = manifest
+        written_manifests[epoch] = planned(manifest)
         figures = _node_epoch_figures(
             job, manifest, padding, numbering.first(epoch), nodes, ranks_per_node, rows, memory
         )

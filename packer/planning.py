@@ -23,7 +23,7 @@ from tokpack.formats.constants import MANIFEST
 from tokpack.formats.reading import canonical_bytes
 from tokpack.formats.names import epoch_dir_name
 from tokpack.packer.shared import ExecutorConfig, as_paths
-from tokpack.packer.plan_nodes import plan_to_nodes, shuffle_figures
+from tokpack.packer.plan_nodes import plan_to_nodes, planned, shuffle_figures
 from tokpack.packer.plan_result import PARQUET_VALUES_PER_CORE_S, PlanResult, local_only
 from tokpack.packer.plan_result import plan_pass, planned_result, size_text
 
@@ -78,7 +78,7 @@ def plan_shuffle(
             continue
         read = sum(src.tokens * src.dtype.itemsize for src, sp in zip(opened, plan.sources) if sp.samples)
         manifest = planned_epoch_manifest(job, opened)
-        written[epoch] = manifest
+        written[epoch] = planned(manifest)
         size = epoch_bytes(job, manifest)
         layout = epoch_layout(job, memory=memory, workers=config.workers, tasks=config.tasks)
         detail = {

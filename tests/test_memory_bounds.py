@@ -352,3 +352,50 @@ def test_a_rerun_holds_one_written_epochs_manifest_at_a_time(tmp_path, monkeypat
     assert r["written"] == [4] and r["epochs"] == [0, 1, 2, 3, 4]
     assert reads[0] >= 8 + 9 and most[0] == 1, f"{most[0]} epoch manifests held at once over {reads[0]} reads"
     assert reads[0] == 8 + 9, f"{reads[0] - 8} reads of 5 epoch manifests, one of them new"
+
+
+@pytest.mark.parametrize("nodes", [None, 2])
+def test_plan_shuffle_keeps_no_planned_manifest_per_epoch(tmp_path, monkeypatch, nodes):
+    """`plan shuffle` (and its --nodes) kept every epoch's planned manifest, a dict per shard, to
+    size the manifests at the end: epochs x shards. It keeps each one's size and totals; the
+    figures are the same (the manifests' sizes against what a shuffle writes)."""
+    import weakref
+
+    import tokpack
+    from tokpack.packer import plan_nodes, planning
+    from tokpack.shuffle import run
+
+    src = write_source(tmp_path / "s", random_docs(np.random.default_rng(2), 40, 1000, 0))
+    kw = dict(seq_len=7, seed=3, samples=30, shard_samples=10, memory=8 << 20, epochs=[0, 1, 2, 3])
+
+    class Held(dict):  # a dict a weak reference can follow: when the last user lets it go
+        pass
+
+    live, most = [0], [0]
+
+    def counted(*args):
+        held = Held(made(*args))
+        live[0] += 1
+        weakref.finalize(held, lambda: live.__setitem__(0, live[0] - 1))
+        return held
+
+    def at_figures(figures):
+        def wrapped(*args):
+            most[0] = max(most[0], live[0])
+            return figures(*args)
+
+        return wrapped
+
+    made = run.planned_epoch_manifest  # imported by the plans as they run
+    monkeypatch.setattr(run, "planned_epoch_manifest", counted)
+    monkeypatch.setattr(planning, "shuffle_figures", at_figures(plan_nodes.shuffle_figures))
+    monkeypatch.setattr(plan_nodes, "shuffle_figures", at_figures(plan_nodes.shuffle_figures))
+    extra = (
+        {} if nodes is None else dict(nodes=nodes, to_nodes=str(tmp_path / "n{node}"), ranks_per_node=1, micro_batch=1)
+    )
+    result = tokpack.plan("shuffle", [str(src)], str(tmp_path / "run"), disk_mbps=100, **extra, **kw)
+    assert live[0] <= 1 and most[0] <= 1, f"{most[0]} planned epoch manifests held at the end of the plan"
+    if nodes is None:  # what the plan says of the manifests is what the shuffle writes
+        tokpack.shuffle([str(src)], str(tmp_path / "run"), **kw)
+        assert result.manifests == {name: (tmp_path / "run" / name).stat().st_size for name in result.manifests}
+        assert len(result.manifests) == 5
