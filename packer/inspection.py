@@ -141,33 +141,56 @@ def document_lengths(
     index is 8 bytes per document: 88 GB for an 11T-token corpus) it reads evenly spaced blocks
     of consecutive entries instead of everything, and says so in the report. `per_source`, if
     given, gets each source's own distribution (source_lengths), from the same blocks: the
-    sources are read one after the other, so two histograms are held whatever their number."""
+    sources are read one after the other, so two histograms are held whatever their number.
+    Per shard, only its document count is held (8 bytes, where a list of paths, sizes and blocks
+    held 440); its entry is read again from the manifest's text when its blocks are read."""
     hist = LengthHistogram()
-    paths = [(k, src.path / f"{s['path']}.index") for k, src in enumerate(sources) for s in src.shards]
-    sizes = [regular_size(p) // U64.itemsize for _, p in paths]
-    blocks = [
-        (k, path, a, min(INDEX_BLOCK, n - a)) for (k, path), n in zip(paths, sizes) for a in range(0, n, INDEX_BLOCK)
-    ]
-    hist.corpus_documents = sum(sizes)
+    bounds = np.cumsum([0] + [len(src.shards) for src in sources])  # each source's first shard, of all
+    entries = (_index_path(src, s) for src in sources for s in src.shards)
+    sizes = np.fromiter((regular_size(p) // U64.itemsize for p in entries), np.int64, int(bounds[-1]))
+    hist.corpus_documents = int(sizes.sum())
+    drawn, total = None, hist.corpus_documents  # drawn: the blocks read, as (shard, first entry); None: all
     if hist.corpus_documents > max_documents:
         keep = max(1, max_documents // INDEX_BLOCK)
-        blocks = [blocks[i * len(blocks) // keep] for i in range(keep)]
-    with progress(sum(b[3] for b in blocks) * U64.itemsize, "document lengths") as bar:
-        for k in range(len(sources)):
+        blocks = -(-sizes // INDEX_BLOCK)
+        ends = np.cumsum(blocks)  # past each shard's last block, blocks counted over all shards
+        # the keep evenly spaced blocks, distinct: keep <= max_documents / INDEX_BLOCK < the blocks
+        drawn_blocks = [i * int(ends[-1]) // keep for i in range(keep)]
+        shards = np.searchsorted(ends, drawn_blocks, side="right").tolist()
+        drawn = {(j, (g - int(ends[j] - blocks[j])) * INDEX_BLOCK) for g, j in zip(drawn_blocks, shards)}
+        total = sum(min(INDEX_BLOCK, int(sizes[j]) - a) for j, a in drawn)
+    with progress(total * U64.itemsize, "document lengths") as bar:
+        for k, src in enumerate(sources):
+            lo, hi = int(bounds[k]), int(bounds[k + 1])
             own = LengthHistogram()
-            own.corpus_documents = sum(n for (j, _), n in zip(paths, sizes) if j == k)
-            for _, path, a, count in (b for b in blocks if b[0] == k):
-                lengths = _index_lengths(path, a, count)
+            own.corpus_documents = int(sizes[lo:hi].sum())
+            for j, a, count in _blocks(sizes, lo, hi, drawn):
+                lengths = _index_lengths(_index_path(src, src.shards[j - lo]), a, count)
                 hist.add(lengths)
                 own.add(lengths)
                 bar.update(count * U64.itemsize)
             if per_source is not None:
                 if not own.count and own.corpus_documents:  # sampled, and no block of it drawn: one of its own
-                    path, n = next((p, n) for (j, p), n in zip(paths, sizes) if j == k and n)
-                    own.add(_index_lengths(path, 0, min(INDEX_BLOCK, n)))
+                    j = int(np.flatnonzero(sizes[lo:hi])[0])
+                    own.add(_index_lengths(_index_path(src, src.shards[j]), 0, min(INDEX_BLOCK, int(sizes[lo + j]))))
                 # one source's line of `document_lengths.sources`: its report without its histogram
                 per_source.append({k: v for k, v in own.report().items() if k != "histogram"})
     return hist
+
+
+def _index_path(src: PackedSource, entry: dict) -> Path:
+    return src.path / f"{entry['path']}.index"
+
+
+def _blocks(sizes: np.ndarray, lo: int, hi: int, drawn: set | None):
+    """(shard, first entry, count) of each block read of shards [lo, hi) (shard numbers over all
+    sources), in order: every block, or those `drawn`."""
+    if drawn is not None:
+        yield from ((j, a, min(INDEX_BLOCK, int(sizes[j]) - a)) for j, a in sorted(drawn) if lo <= j < hi)
+        return
+    for j in range(lo, hi):
+        n = int(sizes[j])
+        yield from ((j, a, min(INDEX_BLOCK, n - a)) for a in range(0, n, INDEX_BLOCK))
 
 
 def _index_lengths(path, a: int, count: int) -> np.ndarray:
