@@ -10,9 +10,12 @@ waiting. So the rows wanted (sorted by source and offset, each once) become read
   amplification stays within 1/8 more), the gap's bytes read into a scratch buffer and dropped
   (one `preadv` scatters a read into the rows' places in the buffer and the gaps);
 - a read is at most MAX_READ_BYTES (a long run of rows is several reads, in flight together);
-- READ_DEPTH threads issue them (`preadv` on descriptors opened once through the gate and
-  shared: a positional read needs no seek), each into its rows' places in the caller's buffer,
-  so the bytes do not depend on which read ends first.
+- READ_DEPTH threads issue them (`preadv` on descriptors opened through the gate and shared:
+  a positional read needs no seek), each into its rows' places in the caller's buffer, so the
+  bytes do not depend on which read ends first;
+- at most MAX_OPEN shard files are held open (the least recently used idle one closed first, never
+  one a thread reads): a source may have more shards (20,000-100,000) than a cluster's hard
+  limit on open files (4,096-65,536), where a descriptor kept for each shard failed with EMFILE.
 
 Memory: the caller's buffer (its rows), and one scratch buffer of MAX_GAP_BYTES shared by every
 read (a gap's bytes are never looked at). A stream that is not a local source's shard files (a
@@ -23,6 +26,8 @@ from __future__ import annotations
 
 import os
 import threading
+from collections import OrderedDict
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +42,10 @@ MAX_READ_BYTES = 4 << 20
 MAX_GAP_BYTES = 32 << 10
 GAP_SHARE = 16  # a gap is merged when at most 1/16 of the rows' bytes on either side of it
 MAX_GAPS = 500  # a read's gaps: 2 iovecs each, within IOV_MAX (1024)
+# Shard files a reader holds open: twice READ_DEPTH, so that the shards its threads read at once
+# (a part's reads go in source order) stay open from one read of a shard to the next: a file is
+# reopened only by a later part. Well within any hard limit on open files (tested at 100).
+MAX_OPEN = 2 * READ_DEPTH
 
 
 def local_shards(stream) -> bool:
@@ -123,12 +132,14 @@ def preadv_all(fd: int, views: list, offset: int) -> int:
 
 
 class SourceReader:
-    """The rows' reads, READ_DEPTH of them in flight, through descriptors opened once
-    per shard file and kept until `close`. Counts `reads`, `bytes` (rows and merged gaps) and
-    the most reads that were in flight at once (`max_in_flight`)."""
+    """The rows' reads, READ_DEPTH of them in flight, through descriptors of the shard files,
+    at most MAX_OPEN of them kept open between reads (`_shard`) until `close`. Counts `reads`,
+    `bytes` (rows and merged gaps) and the most reads that were in flight at once
+    (`max_in_flight`)."""
 
     def __init__(self):
-        self.fds: dict[tuple[str, int], int] = {}
+        # (source folder, shard) -> [descriptor, threads using it], least recently used first
+        self.fds: OrderedDict[tuple[str, int], list[int]] = OrderedDict()
         self.lock = threading.Lock()
         self.reads = self.bytes = self.in_flight = self.max_in_flight = 0
         self.scratch = memoryview(bytearray(MAX_GAP_BYTES))
@@ -187,7 +198,8 @@ class SourceReader:
                 views.append(self.scratch[: (int(starts[a]) - int(starts[a - 1]) - row) * itemsize])
             at = a
         want = sum(v.nbytes for v in views)
-        got = preadv_all(self._fd(stream, k), views, (first - int(stream.shard_starts[k])) * itemsize)
+        with self._shard(stream, k) as fd:
+            got = preadv_all(fd, views, (first - int(stream.shard_starts[k])) * itemsize)
         if got < want:
             raise TokpackError("shard shorter than its manifest says", file=stream.path / stream.shards[k]["path"])
         return got
@@ -215,24 +227,53 @@ class SourceReader:
                 top = min(hi, int(stream.shard_starts[k + 1]))
                 base = int(stream.shard_starts[k])
                 size = stream.dtype.itemsize
-                os.posix_fadvise(self._fd(stream, k), (lo - base) * size, (top - lo) * size, os.POSIX_FADV_WILLNEED)
+                with self._shard(stream, k) as fd:  # the kernel's read-ahead goes on once it is closed
+                    os.posix_fadvise(fd, (lo - base) * size, (top - lo) * size, os.POSIX_FADV_WILLNEED)
                 self.reads += 1
                 lo, k = top, k + 1
         self.max_in_flight = max(self.max_in_flight, self.reads - asked)  # all asked at once, the kernel's to order
 
-    def _fd(self, stream, k: int) -> int:
+    @contextmanager
+    def _shard(self, stream, k: int):
+        """Shard file k of `stream` open through the gate (kept from an earlier read, else opened
+        now, outside the lock: other threads read on meanwhile), in use by this thread within
+        the block: no other thread closes it then."""
         key = (str(stream.path), k)
         with self.lock:
-            fd = self.fds.get(key)
-            if fd is None:
-                size = int(stream.shards[k]["tokens"]) * stream.dtype.itemsize
-                fd = self.fds[key] = regular_fd(stream.path / stream.shards[k]["path"], size=size)
-            return fd
+            held = self._use(key, None)
+        if held is None:
+            size = int(stream.shards[k]["tokens"]) * stream.dtype.itemsize
+            fd = regular_fd(stream.path / stream.shards[k]["path"], size=size)
+            with self.lock:
+                held = self._use(key, fd)
+            if held[0] != fd:  # another thread opened it meanwhile: its descriptor is kept
+                os.close(fd)
+        try:
+            yield held[0]
+        finally:
+            with self.lock:
+                held[1] -= 1
+
+    def _use(self, key, fd: int | None) -> list[int] | None:
+        """Under the lock: the file `key`'s entry, one more thread using it (made with `fd` if it
+        has none; None without `fd`); then the least recently used idle files closed, down to MAX_OPEN."""
+        held = self.fds.get(key)
+        if held is None and fd is None:
+            return None
+        held = self.fds.setdefault(key, [fd, 0])
+        held[1] += 1
+        self.fds.move_to_end(key)
+        while len(self.fds) > MAX_OPEN:
+            idle = next((k for k, (_, users) in self.fds.items() if not users), None)
+            if idle is None:  # every one in use (more threads than MAX_OPEN): closed at a later use
+                break
+            os.close(self.fds.pop(idle)[0])
+        return held
 
     def close(self) -> None:
         if self.pool is not None:
             self.pool.shutdown(wait=True)
             self.pool = None
-        for fd in self.fds.values():
+        for fd, _ in self.fds.values():
             os.close(fd)
-        self.fds = {}
+        self.fds = OrderedDict()
