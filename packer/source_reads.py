@@ -13,7 +13,7 @@ waiting. So the rows wanted (sorted by source and offset, each once) become read
 - READ_DEPTH threads issue them (`preadv` on descriptors opened through the gate and shared:
   a positional read needs no seek), each into its rows' places in the caller's buffer, so the
   bytes do not depend on which read ends first;
-- at most MAX_OPEN shard files are held open (the least recently used idle one closed first, never
+- at most max_open() shard files are held open (the least recently used idle one closed first, never
   one a thread reads): a source may have more shards (20,000-100,000) than a cluster's hard
   limit on open files (4,096-65,536), where a descriptor kept for each shard failed with EMFILE.
 
@@ -32,6 +32,11 @@ from pathlib import Path
 
 import numpy as np
 
+try:
+    import resource
+except ImportError:  # not a Unix
+    resource = None
+
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io.reads import ThreadPool
 from tokpack.formats.io.gate import regular_fd
@@ -42,10 +47,22 @@ MAX_READ_BYTES = 4 << 20
 MAX_GAP_BYTES = 32 << 10
 GAP_SHARE = 16  # a gap is merged when at most 1/16 of the rows' bytes on either side of it
 MAX_GAPS = 500  # a read's gaps: 2 iovecs each, within IOV_MAX (1024)
-# Shard files a reader holds open: twice READ_DEPTH, so that the shards its threads read at once
-# (a part's reads go in source order) stay open from one read of a shard to the next: a file is
-# reopened only by a later part. Well within any hard limit on open files (tested at 100).
-MAX_OPEN = 2 * READ_DEPTH
+# The fewest shard files a reader holds open (max_open): twice READ_DEPTH, so that the shards its
+# threads read at once (a part's reads go in source order) stay open from one read of a shard to
+# the next, and a file is reopened only by a later part.
+MIN_OPEN = 2 * READ_DEPTH
+
+
+def max_open() -> int:
+    """Shard files a reader holds open: half the hard limit on open files (to which the gate
+    raises the soft one at EMFILE), the other half left to the process's other files (best-fit's
+    mapped shards, RUN's, its output's), and at least MIN_OPEN. A source of fewer shards keeps
+    every one open, as it did: a reopen costs the gate's checks (~35 us of CPU), and a rebuild of
+    3,000 shards reopening each at every part (of 945 rows) took 1.8x the CPU seconds."""
+    if resource is None:
+        return MIN_OPEN
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    return max(MIN_OPEN, (1 << 20 if hard == resource.RLIM_INFINITY else hard) // 2)  # unlimited: Linux's fs.nr_open
 
 
 def local_shards(stream) -> bool:
@@ -133,13 +150,14 @@ def preadv_all(fd: int, views: list, offset: int) -> int:
 
 class SourceReader:
     """The rows' reads, READ_DEPTH of them in flight, through descriptors of the shard files,
-    at most MAX_OPEN of them kept open between reads (`_shard`) until `close`. Counts `reads`,
+    at most `max_open` of them kept open between reads (`_shard`) until `close`. Counts `reads`,
     `bytes` (rows and merged gaps) and the most reads that were in flight at once
     (`max_in_flight`)."""
 
     def __init__(self):
         # (source folder, shard) -> [descriptor, threads using it], least recently used first
         self.fds: OrderedDict[tuple[str, int], list[int]] = OrderedDict()
+        self.max_open = max_open()
         self.lock = threading.Lock()
         self.reads = self.bytes = self.in_flight = self.max_in_flight = 0
         self.scratch = memoryview(bytearray(MAX_GAP_BYTES))
@@ -253,22 +271,28 @@ class SourceReader:
         finally:
             with self.lock:
                 held[1] -= 1
+                self._trim()
 
     def _use(self, key, fd: int | None) -> list[int] | None:
         """Under the lock: the file `key`'s entry, one more thread using it (made with `fd` if it
-        has none; None without `fd`); then the least recently used idle files closed, down to MAX_OPEN."""
+        has none; None without `fd`)."""
         held = self.fds.get(key)
         if held is None and fd is None:
             return None
         held = self.fds.setdefault(key, [fd, 0])
         held[1] += 1
         self.fds.move_to_end(key)
-        while len(self.fds) > MAX_OPEN:
+        self._trim()
+        return held
+
+    def _trim(self) -> None:
+        """Under the lock: the least recently used idle files closed, down to `max_open` (more
+        are open only while more threads than that read at once)."""
+        while len(self.fds) > self.max_open:
             idle = next((k for k, (_, users) in self.fds.items() if not users), None)
-            if idle is None:  # every one in use (more threads than MAX_OPEN): closed at a later use
+            if idle is None:
                 break
             os.close(self.fds.pop(idle)[0])
-        return held
 
     def close(self) -> None:
         if self.pool is not None:

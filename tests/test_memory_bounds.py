@@ -254,7 +254,7 @@ def test_to_nodes_raises_its_soft_open_files_limit_too(many_shards, free_to_node
 def test_a_replacement_node_reads_a_source_of_more_shards_than_the_hard_open_files_limit(many_shards, free_to_nodes):
     """A replacement node's reader (packer.source_reads) kept a descriptor for every source shard
     it read, and 300 shards failed at a hard limit of 100 files (EMFILE): sources of 20,000-100,000
-    shards meet clusters' hard limits of 4,096-65,536. It holds at most MAX_OPEN (64) of them now,
+    shards meet clusters' hard limits of 4,096-65,536. It holds at most half the hard limit (and 64) of them now,
     and rebuilds node 0's slice at that limit, the bytes of a rebuild without one (and of the
     slice the run wrote)."""
     root = many_shards[0]
@@ -265,6 +265,46 @@ def test_a_replacement_node_reads_a_source_of_more_shards_than_the_hard_open_fil
     r, got = _replacement(run, root / "rebuilt-hard", _limited(100, 100))
     assert r.returncode == 0 and "Too many open files" not in r.stderr, r.stderr
     assert got == want
+
+
+def test_a_replacement_nodes_reader_closes_idle_shards_past_its_bound_and_reads_the_same_rows(many_shards, monkeypatch):
+    """SourceReader at a bound of 2 open shard files, for 300 shards read by 32 threads: the
+    least recently used idle file is closed (never one a thread reads, nor one twice), and the
+    rows are the stream's own (read_into) and an unbounded reader's; close leaves none open."""
+    import time
+
+    from tokpack.packer import source_reads
+    from tokpack.packer.source_reads import SourceReader
+
+    def slow(fd, views, offset, read=source_reads.preadv_all):  # a read as long as a disk's: threads overlap
+        time.sleep(0.002)
+        return read(fd, views, offset)
+
+    monkeypatch.setattr(source_reads, "preadv_all", slow)
+
+    src = PackedSource.open(many_shards[1])
+    row = 4
+    ust = np.arange(0, src.tokens - row, 3 * row, dtype=np.int64)  # every third window: a read a shard or two
+    us = np.zeros(len(ust), dtype=np.int64)
+    want = np.stack([src.read_into(int(a), np.empty(row, dtype=src.dtype)) for a in ust])
+    before = _open_files()
+    got = []
+    for bound in (2, None):
+        reader = SourceReader()
+        reader.max_open = bound or reader.max_open
+        try:
+            for _ in range(2):  # the second fill reopens what the first closed
+                buf = np.empty((len(ust), row), dtype=src.dtype)
+                reader.fill([src], us, ust, row, buf)
+                got.append(buf)
+                assert len(reader.fds) <= (bound or len(src.shards))
+            assert reader.max_in_flight > 1
+            held = len(reader.fds)
+        finally:
+            reader.close()
+        assert _open_files() == before
+        assert held == (bound or len(src.shards)), held
+    assert all(np.array_equal(g, want) for g in got)
 
 
 def test_the_gate_raises_the_soft_limit_at_emfile_and_tries_once_more(monkeypatch):
