@@ -27,7 +27,6 @@ from __future__ import annotations
 import os
 import threading
 from collections import OrderedDict
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -150,7 +149,7 @@ def preadv_all(fd: int, views: list, offset: int) -> int:
 
 class SourceReader:
     """The rows' reads, READ_DEPTH of them in flight, through descriptors of the shard files,
-    at most `max_open` of them kept open between reads (`_shard`) until `close`. Counts `reads`,
+    at most `max_open` of them kept open between reads (`_open`) until `close`. Counts `reads`,
     `bytes` (rows and merged gaps) and the most reads that were in flight at once
     (`max_in_flight`)."""
 
@@ -216,8 +215,11 @@ class SourceReader:
                 views.append(self.scratch[: (int(starts[a]) - int(starts[a - 1]) - row) * itemsize])
             at = a
         want = sum(v.nbytes for v in views)
-        with self._shard(stream, k) as fd:
-            got = preadv_all(fd, views, (first - int(stream.shard_starts[k])) * itemsize)
+        held = self._open(stream, k)
+        try:
+            got = preadv_all(held[0], views, (first - int(stream.shard_starts[k])) * itemsize)
+        finally:
+            self._done(held)
         if got < want:
             raise TokpackError("shard shorter than its manifest says", file=stream.path / stream.shards[k]["path"])
         return got
@@ -245,45 +247,42 @@ class SourceReader:
                 top = min(hi, int(stream.shard_starts[k + 1]))
                 base = int(stream.shard_starts[k])
                 size = stream.dtype.itemsize
-                with self._shard(stream, k) as fd:  # the kernel's read-ahead goes on once it is closed
-                    os.posix_fadvise(fd, (lo - base) * size, (top - lo) * size, os.POSIX_FADV_WILLNEED)
+                held = self._open(stream, k)  # the kernel's read-ahead goes on once the file is closed
+                try:
+                    os.posix_fadvise(held[0], (lo - base) * size, (top - lo) * size, os.POSIX_FADV_WILLNEED)
+                finally:
+                    self._done(held)
                 self.reads += 1
                 lo, k = top, k + 1
         self.max_in_flight = max(self.max_in_flight, self.reads - asked)  # all asked at once, the kernel's to order
 
-    @contextmanager
-    def _shard(self, stream, k: int):
-        """Shard file k of `stream` open through the gate (kept from an earlier read, else opened
-        now, outside the lock: other threads read on meanwhile), in use by this thread within
-        the block: no other thread closes it then."""
+    def _open(self, stream, k: int) -> list[int]:
+        """Shard file k of `stream` open through the gate ([descriptor, users]: kept from an
+        earlier read, else opened now, outside the lock, while other threads read on), in use by
+        this thread until its `_done`: no other thread closes it meanwhile."""
         key = (str(stream.path), k)
         with self.lock:
-            held = self._use(key, None)
-        if held is None:
-            size = int(stream.shards[k]["tokens"]) * stream.dtype.itemsize
-            fd = regular_fd(stream.path / stream.shards[k]["path"], size=size)
-            with self.lock:
-                held = self._use(key, fd)
-            if held[0] != fd:  # another thread opened it meanwhile: its descriptor is kept
-                os.close(fd)
-        try:
-            yield held[0]
-        finally:
-            with self.lock:
-                held[1] -= 1
-                self._trim()
-
-    def _use(self, key, fd: int | None) -> list[int] | None:
-        """Under the lock: the file `key`'s entry, one more thread using it (made with `fd` if it
-        has none; None without `fd`)."""
-        held = self.fds.get(key)
-        if held is None and fd is None:
-            return None
-        held = self.fds.setdefault(key, [fd, 0])
-        held[1] += 1
-        self.fds.move_to_end(key)
-        self._trim()
+            held = self.fds.get(key)
+            if held is not None:
+                held[1] += 1
+                self.fds.move_to_end(key)
+                return held
+        size = int(stream.shards[k]["tokens"]) * stream.dtype.itemsize
+        fd = regular_fd(stream.path / stream.shards[k]["path"], size=size)
+        with self.lock:
+            held = self.fds.setdefault(key, [fd, 0])
+            held[1] += 1
+            self.fds.move_to_end(key)
+            self._trim()
+        if held[0] != fd:  # another thread opened it meanwhile: its descriptor is kept
+            os.close(fd)
         return held
+
+    def _done(self, held: list[int]) -> None:
+        with self.lock:
+            held[1] -= 1
+            if len(self.fds) > self.max_open:
+                self._trim()
 
     def _trim(self) -> None:
         """Under the lock: the least recently used idle files closed, down to `max_open` (more
