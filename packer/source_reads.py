@@ -57,7 +57,7 @@ def max_open() -> int:
     raises the soft one at EMFILE), the other half left to the process's other files (best-fit's
     mapped shards, RUN's, its output's), and at least MIN_OPEN. A source of fewer shards keeps
     every one open, as it did: a reopen costs the gate's checks (~35 us of CPU), and a rebuild of
-    3,000 shards reopening each at every part (of 945 rows) took 1.8x the CPU seconds."""
+    3,000 shards reopening each at every part (of 945 rows) took 1.9x the CPU seconds."""
     if resource is None:
         return MIN_OPEN
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
