@@ -157,6 +157,7 @@ class SourceReader:
         # (source folder, shard) -> [descriptor, threads using it], least recently used first
         self.fds: OrderedDict[tuple[str, int], list[int]] = OrderedDict()
         self.max_open = max_open()
+        self.opening = 0  # descriptors outside `fds`: being opened, or a read_into's
         self.lock = threading.Lock()
         self.reads = self.bytes = self.in_flight = self.max_in_flight = 0
         self.scratch = memoryview(bytearray(MAX_GAP_BYTES))
@@ -204,8 +205,15 @@ class SourceReader:
             # a URL, a stream of kept documents, a row across two shards: the stream's own reads,
             # a call a run of adjacent rows (plan_reads merged no gap for them)
             tokens = out.view(stream.dtype)
-            for a, b in zip([0, *runs], [*runs, len(starts)]):
-                stream.read_into(int(starts[a]), tokens[a * row : b * row], None)
+            with self.lock:  # read_into opens a file at a time: counted, as one being opened
+                self.opening += 1
+                self._trim()
+            try:
+                for a, b in zip([0, *runs], [*runs, len(starts)]):
+                    stream.read_into(int(starts[a]), tokens[a * row : b * row], None)
+            finally:
+                with self.lock:
+                    self.opening -= 1
             return out.nbytes
         itemsize = stream.dtype.itemsize
         views, at, mv = [], 0, memoryview(out)
@@ -267,27 +275,34 @@ class SourceReader:
                 held[1] += 1
                 self.fds.move_to_end(key)
                 return held
+            self.opening += 1  # counted from now on: room is made for it
+            self._trim()
         size = int(stream.shards[k]["tokens"]) * stream.dtype.itemsize
-        fd = regular_fd(stream.path / stream.shards[k]["path"], size=size)
+        try:
+            fd = regular_fd(stream.path / stream.shards[k]["path"], size=size)
+        except BaseException:
+            with self.lock:
+                self.opening -= 1
+            raise
         with self.lock:
+            self.opening -= 1
             held = self.fds.setdefault(key, [fd, 0])
             held[1] += 1
             self.fds.move_to_end(key)
-            self._trim()
-        if held[0] != fd:  # another thread opened it meanwhile: its descriptor is kept
-            os.close(fd)
+            if held[0] != fd:  # another thread opened it meanwhile: its descriptor is kept
+                os.close(fd)
         return held
 
     def _done(self, held: list[int]) -> None:
         with self.lock:
             held[1] -= 1
-            if len(self.fds) > self.max_open:
+            if len(self.fds) + self.opening > self.max_open:
                 self._trim()
 
     def _trim(self) -> None:
-        """Under the lock: the least recently used idle files closed, down to `max_open` (more
-        are open only while more threads than that read at once)."""
-        while len(self.fds) > self.max_open:
+        """Under the lock: the least recently used idle files closed, down to `max_open` with
+        those being opened (more only while more threads than that read at once)."""
+        while len(self.fds) + self.opening > self.max_open:
             idle = next((k for k, (_, users) in self.fds.items() if not users), None)
             if idle is None:
                 break

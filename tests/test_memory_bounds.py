@@ -268,20 +268,30 @@ def test_a_replacement_node_reads_a_source_of_more_shards_than_the_hard_open_fil
 
 
 def test_a_replacement_nodes_reader_closes_idle_shards_past_its_bound_and_reads_the_same_rows(many_shards, monkeypatch):
-    """SourceReader at a bound of 2 open shard files, for 300 shards read by 32 threads: the
-    least recently used idle file is closed (never one a thread reads, nor one twice), and the
-    rows are the stream's own (read_into) and an unbounded reader's; close leaves none open."""
+    """SourceReader at a bound of 2 and of 40 open shard files, for 300 shards read by 32 threads:
+    the least recently used idle file is closed (never one a thread reads, nor one twice), files
+    being opened count (at most the bound open, or one a thread at a bound of 2), and the rows are
+    the stream's own (read_into) and an unbounded reader's; close leaves none open."""
     import time
 
     from tokpack.packer import source_reads
-    from tokpack.packer.source_reads import SourceReader
+    from tokpack.packer.source_reads import READ_DEPTH, SourceReader
 
     def slow(fd, views, offset, read=source_reads.preadv_all):  # a read as long as a disk's: threads overlap
         time.sleep(0.002)
         return read(fd, views, offset)
 
-    monkeypatch.setattr(source_reads, "preadv_all", slow)
+    peak, counting = [0], threading.Lock()
 
+    def opened(path, size, gate=source_reads.regular_fd):  # threads opening at once
+        fd = gate(path, size=size)
+        with counting:  # one listdir at a time: its own descriptor is one
+            peak[0] = max(peak[0], _open_files() - 1)
+        time.sleep(0.001)
+        return fd
+
+    monkeypatch.setattr(source_reads, "preadv_all", slow)
+    monkeypatch.setattr(source_reads, "regular_fd", opened)
     src = PackedSource.open(many_shards[1])
     row = 4
     ust = np.arange(0, src.tokens - row, 3 * row, dtype=np.int64)  # every third window: a read a shard or two
@@ -289,9 +299,10 @@ def test_a_replacement_nodes_reader_closes_idle_shards_past_its_bound_and_reads_
     want = np.stack([src.read_into(int(a), np.empty(row, dtype=src.dtype)) for a in ust])
     before = _open_files()
     got = []
-    for bound in (2, None):
+    for bound in (2, 40, None):
         reader = SourceReader()
         reader.max_open = bound or reader.max_open
+        peak[0] = 0
         try:
             for _ in range(2):  # the second fill reopens what the first closed
                 buf = np.empty((len(ust), row), dtype=src.dtype)
@@ -303,7 +314,8 @@ def test_a_replacement_nodes_reader_closes_idle_shards_past_its_bound_and_reads_
         finally:
             reader.close()
         assert _open_files() == before
-        assert held == (bound or len(src.shards)), held
+        assert 0 < held <= bound if bound else held == len(src.shards), held  # files kept from read to read
+        assert bound is None or peak[0] - before <= max(bound, READ_DEPTH), (bound, peak[0] - before)
     assert all(np.array_equal(g, want) for g in got)
 
 
