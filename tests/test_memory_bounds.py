@@ -269,11 +269,12 @@ def test_a_replacement_node_reads_a_source_of_more_shards_than_the_hard_open_fil
 
 def test_a_replacement_nodes_reader_closes_idle_shards_past_its_bound_and_reads_the_same_rows(many_shards, monkeypatch):
     """SourceReader at a bound of 2 and of 40 open shard files, for 300 shards read by 32 threads:
-    the least recently used idle file is closed (never one a thread reads, nor one twice), files
-    being opened count (at most the bound open, or one a thread at a bound of 2), and the rows are
+    the least recently used idle file is closed (never one a thread reads, nor one twice), a
+    read_into's own file counts (at most the bound open, or one a thread at a bound of 2), the rows are
     the stream's own (read_into) and an unbounded reader's; close leaves none open."""
     import time
 
+    from tokpack.formats import shards
     from tokpack.packer import source_reads
     from tokpack.packer.source_reads import READ_DEPTH, SourceReader
 
@@ -283,11 +284,10 @@ def test_a_replacement_nodes_reader_closes_idle_shards_past_its_bound_and_reads_
 
     peak, counting = [0], threading.Lock()
 
-    def opened(path, size, gate=source_reads.regular_fd):  # threads opening at once
+    def opened(path, size, gate=source_reads.regular_fd):  # the files open with each new one
         fd = gate(path, size=size)
         with counting:  # one listdir at a time: its own descriptor is one
             peak[0] = max(peak[0], _open_files() - 1)
-        time.sleep(0.001)
         return fd
 
     monkeypatch.setattr(source_reads, "preadv_all", slow)
@@ -297,6 +297,13 @@ def test_a_replacement_nodes_reader_closes_idle_shards_past_its_bound_and_reads_
     ust = np.arange(0, src.tokens - row, 3 * row, dtype=np.int64)  # every third window: a read a shard or two
     us = np.zeros(len(ust), dtype=np.int64)
     want = np.stack([src.read_into(int(a), np.empty(row, dtype=src.dtype)) for a in ust])
+
+    def open_read(path, *args, gate=shards.open_read, **rules):  # a row across two shards: its file open a while
+        f = gate(path, *args, **rules)
+        time.sleep(0.002)
+        return f
+
+    monkeypatch.setattr(shards, "open_read", open_read)
     before = _open_files()
     got = []
     for bound in (2, 40, None):
