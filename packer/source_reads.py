@@ -10,9 +10,12 @@ waiting. So the rows wanted (sorted by source and offset, each once) become read
   amplification stays within 1/8 more), the gap's bytes read into a scratch buffer and dropped
   (one `preadv` scatters a read into the rows' places in the buffer and the gaps);
 - a read is at most MAX_READ_BYTES (a long run of rows is several reads, in flight together);
-- READ_DEPTH threads issue them (`preadv` on descriptors opened once through the gate and
-  shared: a positional read needs no seek), each into its rows' places in the caller's buffer,
-  so the bytes do not depend on which read ends first.
+- READ_DEPTH threads issue them (`preadv` on descriptors opened through the gate and shared:
+  a positional read needs no seek), each into its rows' places in the caller's buffer, so the
+  bytes do not depend on which read ends first;
+- at most max_open() shard files are held open (the least recently used idle one closed first, never
+  one a thread reads): a source may have more shards (20,000-100,000) than a cluster's hard
+  limit on open files (4,096-65,536), where a descriptor kept for each shard failed with EMFILE.
 
 Memory: the caller's buffer (its rows), and one scratch buffer of MAX_GAP_BYTES shared by every
 read (a gap's bytes are never looked at). A stream that is not a local source's shard files (a
@@ -23,9 +26,15 @@ from __future__ import annotations
 
 import os
 import threading
+from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
+
+try:
+    import resource
+except ImportError:  # not a Unix
+    resource = None
 
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io.reads import ThreadPool
@@ -37,6 +46,22 @@ MAX_READ_BYTES = 4 << 20
 MAX_GAP_BYTES = 32 << 10
 GAP_SHARE = 16  # a gap is merged when at most 1/16 of the rows' bytes on either side of it
 MAX_GAPS = 500  # a read's gaps: 2 iovecs each, within IOV_MAX (1024)
+# The fewest shard files a reader holds open (max_open): twice READ_DEPTH, so that the shards its
+# threads read at once (a part's reads go in source order) stay open from one read of a shard to
+# the next, and a file is reopened only by a later part.
+MIN_OPEN = 2 * READ_DEPTH
+
+
+def max_open() -> int:
+    """Shard files a reader holds open: half the hard limit on open files (to which the gate
+    raises the soft one at EMFILE), the other half left to the process's other files (best-fit's
+    mapped shards, RUN's, its output's), and at least MIN_OPEN. A source of fewer shards keeps
+    every one open, as it did: a reopen costs the gate's checks (~35 us of CPU), and a rebuild of
+    3,000 shards reopening each at every part (of 945 rows) took 1.9x the CPU seconds."""
+    if resource is None:
+        return MIN_OPEN
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    return max(MIN_OPEN, (1 << 20 if hard == resource.RLIM_INFINITY else hard) // 2)  # unlimited: Linux's fs.nr_open
 
 
 def local_shards(stream) -> bool:
@@ -123,12 +148,16 @@ def preadv_all(fd: int, views: list, offset: int) -> int:
 
 
 class SourceReader:
-    """The rows' reads, READ_DEPTH of them in flight, through descriptors opened once
-    per shard file and kept until `close`. Counts `reads`, `bytes` (rows and merged gaps) and
-    the most reads that were in flight at once (`max_in_flight`)."""
+    """The rows' reads, READ_DEPTH of them in flight, through descriptors of the shard files,
+    at most `max_open` of them kept open between reads (`_open`) until `close`. Counts `reads`,
+    `bytes` (rows and merged gaps) and the most reads that were in flight at once
+    (`max_in_flight`)."""
 
     def __init__(self):
-        self.fds: dict[tuple[str, int], int] = {}
+        # (source folder, shard) -> [descriptor, threads using it], least recently used first
+        self.fds: OrderedDict[tuple[str, int], list[int]] = OrderedDict()
+        self.max_open = max_open()
+        self.outside = 0  # descriptors outside `fds`: read_into's own, a file a thread
         self.lock = threading.Lock()
         self.reads = self.bytes = self.in_flight = self.max_in_flight = 0
         self.scratch = memoryview(bytearray(MAX_GAP_BYTES))
@@ -176,8 +205,15 @@ class SourceReader:
             # a URL, a stream of kept documents, a row across two shards: the stream's own reads,
             # a call a run of adjacent rows (plan_reads merged no gap for them)
             tokens = out.view(stream.dtype)
-            for a, b in zip([0, *runs], [*runs, len(starts)]):
-                stream.read_into(int(starts[a]), tokens[a * row : b * row], None)
+            with self.lock:  # read_into opens a file at a time: counted in the bound
+                self.outside += 1
+                self._trim()
+            try:
+                for a, b in zip([0, *runs], [*runs, len(starts)]):
+                    stream.read_into(int(starts[a]), tokens[a * row : b * row], None)
+            finally:
+                with self.lock:
+                    self.outside -= 1
             return out.nbytes
         itemsize = stream.dtype.itemsize
         views, at, mv = [], 0, memoryview(out)
@@ -187,7 +223,11 @@ class SourceReader:
                 views.append(self.scratch[: (int(starts[a]) - int(starts[a - 1]) - row) * itemsize])
             at = a
         want = sum(v.nbytes for v in views)
-        got = preadv_all(self._fd(stream, k), views, (first - int(stream.shard_starts[k])) * itemsize)
+        held = self._open(stream, k)
+        try:
+            got = preadv_all(held[0], views, (first - int(stream.shard_starts[k])) * itemsize)
+        finally:
+            self._done(held)
         if got < want:
             raise TokpackError("shard shorter than its manifest says", file=stream.path / stream.shards[k]["path"])
         return got
@@ -215,24 +255,49 @@ class SourceReader:
                 top = min(hi, int(stream.shard_starts[k + 1]))
                 base = int(stream.shard_starts[k])
                 size = stream.dtype.itemsize
-                os.posix_fadvise(self._fd(stream, k), (lo - base) * size, (top - lo) * size, os.POSIX_FADV_WILLNEED)
+                held = self._open(stream, k)  # the kernel's read-ahead goes on once the file is closed
+                try:
+                    os.posix_fadvise(held[0], (lo - base) * size, (top - lo) * size, os.POSIX_FADV_WILLNEED)
+                finally:
+                    self._done(held)
                 self.reads += 1
                 lo, k = top, k + 1
         self.max_in_flight = max(self.max_in_flight, self.reads - asked)  # all asked at once, the kernel's to order
 
-    def _fd(self, stream, k: int) -> int:
+    def _open(self, stream, k: int) -> list[int]:
+        """Shard file k of `stream` open through the gate ([descriptor, users]: kept from an
+        earlier read, else opened now), in use by this thread until its `_done`: no other
+        thread closes it meanwhile."""
         key = (str(stream.path), k)
         with self.lock:
-            fd = self.fds.get(key)
-            if fd is None:
+            held = self.fds.get(key)
+            if held is None:  # opened under the lock: outside it, 32 threads opening at once took 20% more CPU seconds
+                self._trim(room=1)
                 size = int(stream.shards[k]["tokens"]) * stream.dtype.itemsize
-                fd = self.fds[key] = regular_fd(stream.path / stream.shards[k]["path"], size=size)
-            return fd
+                held = self.fds[key] = [regular_fd(stream.path / stream.shards[k]["path"], size=size), 0]
+            held[1] += 1
+            self.fds.move_to_end(key)
+            return held
+
+    def _done(self, held: list[int]) -> None:
+        with self.lock:
+            held[1] -= 1
+            if len(self.fds) + self.outside > self.max_open:
+                self._trim()
+
+    def _trim(self, room: int = 0) -> None:
+        """Under the lock: the least recently used idle files closed until `room` more fit within
+        `max_open`, read_into's own counted (more only while more threads than that read at once)."""
+        while len(self.fds) + self.outside + room > self.max_open:
+            idle = next((k for k, (_, users) in self.fds.items() if not users), None)
+            if idle is None:
+                break
+            os.close(self.fds.pop(idle)[0])
 
     def close(self) -> None:
         if self.pool is not None:
             self.pool.shutdown(wait=True)
             self.pool = None
-        for fd in self.fds.values():
+        for fd, _ in self.fds.values():
             os.close(fd)
-        self.fds = {}
+        self.fds = OrderedDict()
