@@ -31,14 +31,9 @@ from pathlib import Path
 
 import numpy as np
 
-try:
-    import resource
-except ImportError:  # not a Unix
-    resource = None
-
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io.reads import ThreadPool
-from tokpack.formats.io.gate import regular_fd
+from tokpack.formats.io.gate import open_files_hard_limit, regular_fd
 from tokpack.formats.shards import PackedSource
 
 READ_DEPTH = 32  # reads in flight: an NVMe's queue wants dozens, a network filesystem as many
@@ -58,10 +53,7 @@ def max_open() -> int:
     mapped shards, RUN's, its output's), and at least MIN_OPEN. A source of fewer shards keeps
     every one open, as it did: a reopen costs the gate's checks (~35 us of CPU), and a rebuild of
     3,000 shards reopening each at every part (of 945 rows) took 1.9x the CPU seconds."""
-    if resource is None:
-        return MIN_OPEN
-    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-    return max(MIN_OPEN, (1 << 20 if hard == resource.RLIM_INFINITY else hard) // 2)  # unlimited: Linux's fs.nr_open
+    return max(MIN_OPEN, (open_files_hard_limit() or 0) // 2)
 
 
 def local_shards(stream) -> bool:

@@ -422,6 +422,12 @@ def test_the_gate_raises_the_soft_limit_at_emfile_and_tries_once_more(monkeypatc
     assert other.value.errno == errno.ENOENT and len(set_to) == 2
     limits[0] = (1024, resource.RLIM_INFINITY)
     assert gate.raise_open_files_limit() and set_to[-1] == (1 << 20, resource.RLIM_INFINITY)
+    from tokpack.packer.source_reads import MIN_OPEN, max_open  # a reader keeps half the hard limit open
+
+    assert max_open() == 1 << 19
+    limits[0] = (1024, 100)
+    assert max_open() == MIN_OPEN == 64
+    limits[0] = (1024, resource.RLIM_INFINITY)
     limits[0] = (4096, 4096)  # raised by another thread after this call failed: made again
     assert gate.more_files(failing(errno.EMFILE), 7) == 7 and len(set_to) == 3
     monkeypatch.setattr(gate, "_RAISED", False)  # at the hard limit, never raised: EMFILE stands

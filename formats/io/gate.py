@@ -196,6 +196,15 @@ _RAISED = False  # this process's soft limit on open files was raised (raise_ope
 _RAISING = threading.Lock()
 
 
+def open_files_hard_limit() -> int | None:
+    """The hard limit on this process's open files, the most its soft one may be raised to
+    (Linux's fs.nr_open default, 2^20, for an unlimited one); None without a resource module."""
+    if resource is None:
+        return None
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    return 1 << 20 if hard == resource.RLIM_INFINITY else hard
+
+
 def raise_open_files_limit() -> bool:
     """This process's soft limit on open files raised to its hard one (Linux's fs.nr_open
     default, 2^20, for an unlimited hard one); whether it was, now or before: a call that met
@@ -204,7 +213,7 @@ def raise_open_files_limit() -> bool:
     with _RAISING:  # one thread at a time, so that none reads the limit raised before _RAISED says so
         try:
             soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-            want = 1 << 20 if hard == resource.RLIM_INFINITY else hard
+            want = open_files_hard_limit()
             if soft != resource.RLIM_INFINITY and soft < want:
                 resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
                 _RAISED = True
