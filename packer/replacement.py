@@ -323,9 +323,9 @@ class SourceRows:
                 hint="the sources changed since the run was shuffled",
             )
         self.built = packing.open_table(prepared["table"], prepared["table_xxh3_128"])
-        # no source shard is verified whole: each row is checked against RUN's row hash (or the
-        # slice) instead, and only its documents are read
-        self.pool = packing.token_pool(self.plan, self.sources, lambda src, k, tokens: None)
+        # no source shard is verified whole, nor read whole: each row is checked against RUN's row
+        # hash (or the slice) instead, and only its documents are read (will_need, then the map)
+        self.pool = packing.token_pool(self.plan, self.sources, read_in=False)
 
     def rows(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
         """(the rows at epoch `positions`, increasing, as an [n, row] array; best-fit: their padding)."""

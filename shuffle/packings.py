@@ -90,8 +90,9 @@ class Packing:
     # the pieces of output rows [g0, g1) and their first tokens), built in a temporary folder.
     # None: each row is a window the plan locates (plan.locate), no table.
     table_rows: Callable | None = None
-    # With a table: (plan, sources) -> what assembles rows from its pieces (TokenPool: `rows(table,
-    # g0, g1, row_tokens, pad_id, starts)`), for `inspect`, the replay and a replacement node.
+    # With a table: (plan, sources, read_in=True) -> what assembles rows from its pieces (TokenPool:
+    # `rows(table, g0, g1, row_tokens, pad_id, starts)`), for `inspect`, the replay and a replacement
+    # node (read_in=False: it reads only its rows' pieces, not every shard whole).
     token_pool: Callable | None = None
     # With a table: (folder, expected xxh3_128) -> the table `prepare` built in the epoch's work
     # folder (its `table` entry), reopened by the exchange and the replacement node.

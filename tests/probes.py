@@ -108,3 +108,38 @@ def audited(log: str | Path) -> list[Access]:
         pid, event, path, mode, flags = line.split("\t")
         found.append(Access(int(pid), event, path, mode, int(flags)))
     return found
+
+
+def page_cache(files: list[Path], evict: bool = False) -> tuple[int, int]:
+    """(pages of `files` in the page cache, their pages), by mincore on a fresh mapping of each;
+    `evict`: each file's pages dropped from the cache first (written back, then
+    POSIX_FADV_DONTNEED), so that what is resident afterwards is what a command read."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    page = os.sysconf("SC_PAGE_SIZE")
+    resident = total = 0
+    for path in files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            if evict:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            size = os.fstat(fd).st_size
+            if not size:
+                continue
+            address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+            pages = (ctypes.c_ubyte * ((size + page - 1) // page))()
+            try:
+                assert libc.mincore(address, size, pages) == 0, os.strerror(ctypes.get_errno())
+            finally:
+                libc.munmap(address, size)
+            resident, total = resident + sum(p & 1 for p in pages), total + len(pages)
+        finally:
+            os.close(fd)
+    return resident, total

@@ -85,6 +85,27 @@ def replace_node(run, dest, node: int, memory: int = SMALL) -> dict:
     )
 
 
+def test_a_best_fit_replacement_node_reads_its_rows_pages_not_every_source_shard_whole(tmp_path):
+    """A best-fit replacement node mapped each source shard and read it in whole (as the in-memory
+    engine does): a node of N read the whole source, N times its share. It reads the pages its
+    rows' documents lie in (asked of the kernel ahead): node 1 of 4 read 68% of the source's
+    pages here (its quarter of the documents, spread over them), and all of them before."""
+    from probes import page_cache
+
+    docs = random_docs(np.random.default_rng(3), 2000, 1000, 0, min_len=200, max_len=1800)
+    source = write_source(tmp_path / "src", docs, docs_per_shard=500)
+    run = tmp_path / "run"
+    args = ("--seq-len", 1023, "--seed", 5, "--epochs", 1, "--packing", "best-fit", "--memory", "64MiB")
+    done = to_nodes(run, str(tmp_path / "node{node}"), source, *args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    shards = sorted(source.glob("*.ds"))
+    assert page_cache(shards, evict=True)[0] == 0  # nothing of the source in memory: what is next is read
+    got = replace_node(run, tmp_path / "again", 1, memory=64 << 20)
+    assert got["ok"] and tree(tmp_path / "again") == tree(tmp_path / "node1")
+    resident, pages = page_cache(shards)
+    assert resident < 0.8 * pages, f"a replacement node of 1/4 read {resident} of the source's {pages} pages"
+
+
 @pytest.mark.parametrize("kind", ["windows", "best_fit"])
 def test_a_replacement_node_within_memory_rebuilds_the_exchanges_slice_part_by_part(kind, request, tmp_path):
     """stage --node on a --to-nodes RUN with a --memory far below the node's rows: several parts

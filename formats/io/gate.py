@@ -405,15 +405,16 @@ def iter_file_blocks(
             yield view[:n]
 
 
-def map_file(path: Path, offset: int, length: int, **rules) -> np.ndarray:
+def map_file(path: Path, offset: int, length: int, read_in: bool = True, **rules) -> np.ndarray:
     """Bytes [offset, offset+length) of a file (through the gate: `rules`), memory-mapped
     read-only and read ahead in one sequential sweep. Mapping the page cache costs no fresh
-    memory, unlike a read into a buffer."""
+    memory, unlike a read into a buffer. `read_in=False`: no sweep, each page read when used (a
+    reader of a few pieces of many files, which it asks of the kernel itself)."""
     if length <= 0:
         regular_size(path, **rules)
         return np.empty(0, dtype=np.uint8)
     with open_read(path, ahead=False, **rules) as f:
-        view, populated = _mapped(f, offset, length)
+        view, populated = _mapped(f, offset, length, read_in)
     if not populated:  # older kernels: a sequential read fills the page cache
         for _ in iter_file_blocks(path, bytearray(IO_BLOCK), offset, length, **rules):
             pass
@@ -432,10 +433,10 @@ def map_range(f, offset: int, length: int) -> np.ndarray | None:
     return view if populated else None
 
 
-def _mapped(f, offset: int, length: int) -> tuple[np.ndarray, bool]:
+def _mapped(f, offset: int, length: int, read_in: bool = True) -> tuple[np.ndarray, bool]:
     """Bytes [offset, offset+length) of an open local file, mapped read-only, and whether the
-    kernel read them in (populate); a file shorter than that is one line, never a mapping past
-    its end (whose read would kill the process with SIGBUS)."""
+    kernel read them in (populate; `read_in=False`: not asked, True); a file shorter than that
+    is one line, never a mapping past its end (whose read would kill the process with SIGBUS)."""
     start = offset - offset % mmap.ALLOCATIONGRANULARITY
     size = os.fstat(f.fileno()).st_size
     if size < offset + length:
@@ -449,7 +450,7 @@ def _mapped(f, offset: int, length: int) -> tuple[np.ndarray, bool]:
         )
     m = more_files(mmap.mmap, f.fileno(), offset + length - start, prot=mmap.PROT_READ, offset=start)
     view = np.frombuffer(m, dtype=np.uint8)
-    return view[offset - start : offset - start + length], populate(view.ctypes.data, len(m))
+    return view[offset - start : offset - start + length], not read_in or populate(view.ctypes.data, len(m))
 
 
 def read_record(path: str | Path, **rules) -> dict | None:

@@ -25,9 +25,11 @@ from .table import row_padding, shard_places, table_rows
 
 class TokenPool:
     """Every used source's shards, memory-mapped (the page cache, no fresh memory), for the
-    in-memory engine and the replay. A piece never spans two shards (no document does)."""
+    in-memory engine and the replay. A piece never spans two shards (no document does).
+    `read_in=False`: the shards are not read in whole as they are mapped, only the pages of the
+    pieces used (a replacement node's rows are 1/N of the source's, asked of the kernel ahead)."""
 
-    def __init__(self, plan: PackedPlan, sources: list[PackedSource], on_shard=None):
+    def __init__(self, plan: PackedPlan, sources: list[PackedSource], on_shard=None, read_in: bool = True):
         used = [s for s, sp in enumerate(plan.sources) if sp.samples]
         self.dtype = sources[0].dtype
         self.parts: list[np.ndarray] = []  # mapped shards, in (source, shard) order
@@ -37,7 +39,7 @@ class TokenPool:
             self.first[s] = len(self.parts)
             for k, shard in enumerate(src.shards):
                 n = int(shard["tokens"])
-                part = map_file(src.path / shard["path"], 0, n * src.dtype.itemsize).view(src.dtype)
+                part = map_file(src.path / shard["path"], 0, n * src.dtype.itemsize, read_in).view(src.dtype)
                 if on_shard is not None:
                     on_shard(src, k, part)
                 self.parts.append(part)
