@@ -83,6 +83,23 @@ def test_each_source_is_sampled_from_its_own_blocks(mixed, monkeypatch):
     assert (per_source[1]["min"], per_source[1]["max"]) == (min(long_lengths), max(long_lengths))
 
 
+def test_a_block_drawn_at_a_sources_first_shard_is_that_sources(mixed, monkeypatch):
+    """Two sources of 17 blocks each, 2 blocks drawn: blocks 0 and 17, each source's first (the
+    second, shard 0 of the second source, lies just past the first source's shards: it is
+    counted there, not in the first source, whose shards it is not)."""
+    from tokpack.formats.shards import PackedSource
+
+    _, srcs, docs = mixed
+    opened = [PackedSource.open(srcs["short"]), PackedSource.open(srcs["short"])]
+    monkeypatch.setattr(inspection, "INDEX_BLOCK", 20)  # 4 shards of 70 documents and one of 20: 17 blocks
+    per_source: list[dict] = []
+    whole = inspection.document_lengths(opened, max_documents=40, per_source=per_source).report()
+    assert whole["documents"] == 40 and whole["sampled_from_documents"] == 600
+    first = [len(d) for d in docs["short"][:20]]
+    for d in per_source:
+        assert (d["documents"], d["min"], d["max"]) == (20, min(first), max(first))
+
+
 def test_the_held_out_split_is_named_so(mixed):
     """RUN/holdout/ is the held-out split, in every line that named it "epoch 0", and in --json;
     a training epoch of the same run is still "epoch 0"."""

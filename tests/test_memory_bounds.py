@@ -7,6 +7,7 @@ text, not a dict per shard entry."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -479,6 +480,29 @@ def test_a_rerun_holds_one_written_epochs_manifest_at_a_time(tmp_path, monkeypat
     assert r["written"] == [4] and r["epochs"] == [0, 1, 2, 3, 4]
     assert reads[0] >= 8 + 9 and most[0] == 1, f"{most[0]} epoch manifests held at once over {reads[0]} reads"
     assert reads[0] == 8 + 9, f"{reads[0] - 8} reads of 5 epoch manifests, one of them new"
+
+
+def test_the_run_manifest_follows_an_epoch_manifest_that_changed_since_it_was_read(tmp_path):
+    """An epoch manifest's totals are read once for the run manifest, and again when its file is
+    another than the one read (another inode, size or time): never a stale total."""
+    from tests.conftest import shuffle_run
+    from tokpack.formats.constants import EPOCH
+    from tokpack.shuffle.run_setup import setup_run
+    from tokpack.shuffle.spec import ShuffleSpec
+
+    src = write_source(tmp_path / "s", random_docs(np.random.default_rng(2), 40, 1000, 0))
+    out = tmp_path / "run"
+    kw = dict(seq_len=7, seed=3, samples=30, shard_samples=10)
+    shuffle_run([str(src)], str(out), epochs=[0, 1], memory=8 << 20, **kw)
+    setup = setup_run(ShuffleSpec(sources=(str(src),), output=str(out), epochs=(0, 1), **kw), str(out))
+    plan = setup.todo[0][1]
+    assert setup.written_run_manifest(out, plan, [0, 1])["tokens"] == 2 * 30 * 8
+    other = tmp_path / "other"  # epoch 1 of 40 samples in its place: another manifest at that path
+    shuffle_run([str(src)], str(other), epochs=[1], memory=8 << 20, **{**kw, "samples": 40})
+    shutil.rmtree(out / "epoch-00001")
+    shutil.copytree(other / "epoch-00001", out / "epoch-00001")
+    assert read_manifest(out / "epoch-00001", kind=EPOCH)["tokens"] == 40 * 8
+    assert setup.written_run_manifest(out, plan, [0, 1])["tokens"] == (30 + 40) * 8
 
 
 @pytest.mark.parametrize("nodes", [None, 2])
