@@ -36,7 +36,7 @@ from tokpack.formats.guard import check_space, locked_output
 from tokpack.formats.inputs import BLOCK_BYTES, InputFile
 from tokpack.formats.inputs.discover import check_input, discover, read_blocks
 from tokpack.formats.inputs.tables import table_rows
-from tokpack.formats.io.gate import MAX_RECORD_BYTES, read_limited, read_record
+from tokpack.formats.io.gate import read_record
 from tokpack.formats.io.paths import as_path
 from tokpack.formats.io.progress_log import progress
 from tokpack.formats.io.writes import write_bytes_atomic
@@ -387,7 +387,10 @@ def _raise_task_error(work: Path, out: Path, created: bool, cause: BaseException
         if cause is not None:
             raise cause
         return
-    err = json.loads(read_limited(errors[0], MAX_RECORD_BYTES, "record"))
+    err = read_record(errors[0])
+    if err is None or not isinstance(err.get("message"), str):  # damaged: what failed is unknown, not a crash
+        err = {"message": "a pack task failed, and its error record is damaged", "file": str(errors[0])}
+        err["hint"] = "run the same pack command again; if it fails again, the task's own error is reported"
     to.remove_tree(work)
     if created and out.exists() and not any(out.iterdir()):
         out.rmdir()

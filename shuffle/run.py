@@ -17,7 +17,6 @@ holds the same run are tokpack.shuffle.run_setup's.
 from __future__ import annotations
 
 import contextlib
-import json
 import shutil
 import time
 import uuid
@@ -26,7 +25,7 @@ from pathlib import Path
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.constants import WORK_DIR, MANIFEST
 from tokpack.formats.guard import bytes_under, check_space, is_no_space, locked_output
-from tokpack.formats.io.gate import MAX_RECORD_BYTES, read_limited
+from tokpack.formats.io.gate import read_record
 from tokpack.formats.io.writes import remove_tmp_files
 from tokpack.formats.io.progress_log import progress_on
 from tokpack.formats.outputs import LocalOutput, Output
@@ -130,7 +129,7 @@ def _source_check(job: EpochJob, layout: Layout | None):
         marker = job.source_changed_path
         if not marker.exists():
             raise
-        record = json.loads(read_limited(marker, MAX_RECORD_BYTES, "record"))
+        record = read_record(marker)
         marker.unlink()
         if layout is not None:
             shutil.rmtree(layout.dir, ignore_errors=True)
@@ -140,6 +139,8 @@ def _source_check(job: EpochJob, layout: Layout | None):
         for d in (edir, work.parent):
             if d.is_dir() and not any(d.iterdir()):
                 d.rmdir()
+        if record is None or not {"shard", "expected", "found"} <= record.keys():
+            raise  # a damaged marker names no shard: the task's own failure stands
         raise source_changed_error(record) from None
 
 

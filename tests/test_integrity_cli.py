@@ -498,3 +498,40 @@ def test_disk_filled_while_staging_a_node_slice_is_one_line_and_leaves_no_partia
         (fs / "filler").unlink()
         assert tokpack(tmp_path, *stage).returncode == 0
         assert tokpack(tmp_path, "validate", fs / "slice", "--against", run).returncode == 0
+
+
+@pytest.mark.parametrize("damage", [b"{not json", b"[1, 2]", b'{"message": 5}'])
+def test_a_damaged_pack_task_error_record_is_one_line_naming_it(tmp_path, damage):
+    """A pack task's error record (part-N.error.json, its message for the user) that is damaged
+    (truncated, not an object, no message) is one line naming the record, not a crash; the work
+    folder goes, as with any task's error."""
+    from tokpack.formats.errors import TokpackError
+    from tokpack.formats.outputs import LocalOutput
+    from tokpack.packer import packing
+
+    work, out = tmp_path / "out" / ".work", tmp_path / "out"
+    work.mkdir(parents=True)
+    (work / "part-00000.error.json").write_bytes(damage)
+    with pytest.raises(TokpackError) as e:
+        packing._raise_task_error(work, out, True, None, LocalOutput())
+    assert "error record is damaged" in str(e.value) and "part-00000.error.json" in str(e.value)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("damage", [b"{not json", b"[1]", b'{"shard": "a"}'])
+def test_a_damaged_source_changed_marker_leaves_the_tasks_own_failure(tmp_path, damage):
+    """The marker a shuffle task leaves when a source shard changed, damaged: the task's own
+    failure stands (not a KeyError or a JSON error), and the marker is gone."""
+    from types import SimpleNamespace
+
+    from tokpack.shuffle import run
+
+    work = tmp_path / "work" / "epoch-00000"
+    work.mkdir(parents=True)
+    marker = work / "source-changed.json"
+    marker.write_bytes(damage)
+    job = SimpleNamespace(source_changed_path=marker, work_dir=str(work), epoch_dir=str(tmp_path / "run" / "e"))
+    with pytest.raises(RuntimeError, match="task 0 of 1 failed"):
+        with run._source_check(job, None):
+            raise RuntimeError("task 0 of 1 failed")
+    assert not marker.exists()
