@@ -314,7 +314,11 @@ def test_a_sigterm_to_mpirun_is_one_line_on_every_node_and_a_rerun_resumes(tmp_p
     same command then finishes the job with the bytes a replacement node rebuilds."""
     nodes = 4
     source = write_source(tmp_path / "src", random_docs(np.random.default_rng(4), 1500, 1000, 0), docs_per_shard=150)
-    args = [source, "--seq-len", SEQ, "--seed", 6, "--epochs", 2, "--shard-samples", 100, "--memory", "64KiB"]
+    # 6 epochs: the job runs on about 1.7 s past its locks, where 2 ended 0.62 s past them. The
+    # launcher forwards the SIGTERM about 0.55 s past them: with 2 it often met processes past
+    # their exchange, its watcher gone (the signal's default: no line from any node).
+    epochs = 6
+    args = [source, "--seq-len", SEQ, "--seed", 6, "--epochs", epochs, "--shard-samples", 100, "--memory", "64KiB"]
     env = mpi_env()
     run, dest = tmp_path / "run", str(tmp_path / "node{node}")
     cmd = [mpirun(), "--oversubscribe", "-n", str(nodes), sys.executable, "-m", "tokpack", "shuffle"]
@@ -337,6 +341,8 @@ def test_a_sigterm_to_mpirun_is_one_line_on_every_node_and_a_rerun_resumes(tmp_p
             job.kill()
             job.communicate()
     assert job.returncode != 0 and "Traceback" not in err, err[-3000:]
+    written = json.loads((run / MANIFEST).read_text())["epochs"] if (run / MANIFEST).exists() else []
+    assert len(written) < epochs, f"stopped after its last epoch, not inside the job: {written}"
     lines = [line for line in err.splitlines() if line.startswith("tokpack")]
     named = [
         n for n in range(nodes) for line in lines if line.startswith(f"tokpack: error: node {n}: stopped by SIGTERM")
