@@ -274,8 +274,7 @@ class SourceReader:
     def _done(self, held: list[int]) -> None:
         with self.lock:
             held[1] -= 1
-            if len(self.fds) + self.outside > self.max_open:
-                self._trim()
+            self._trim()  # files over the bound while every one was in use: closed as each goes idle
 
     def _trim(self, room: int = 0) -> None:
         """Under the lock: the least recently used idle files closed until `room` more fit within

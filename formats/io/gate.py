@@ -17,7 +17,6 @@ from typing import Iterator
 import numpy as np
 
 from ..errors import TokpackError
-
 from .memory import populate
 from .paths import RemotePath, as_path, name_problem
 
