@@ -32,6 +32,10 @@ from .hashes import row_hashes
 from .token_check import FileDigest, digest_error
 
 
+# The most files read_into's `handles` keep open. A block of a sweep touches a shard or two of a
+# real source, but thousands of tiny ones (a shard a document): each kept, past the hard
+# open-files limit, `validate --against` met EMFILE and called the epoch corrupt.
+KEPT_HANDLES = 64
 _SHARD_FILE = re.compile(
     "[0-9]+[.]ds(" + "|".join(re.escape(s) for s in (*SHARD_SUFFIXES, PAD_SUFFIX, ROWS_SUFFIX) if s) + ")?"
 )
@@ -606,11 +610,14 @@ class PackedSource:
             i += 1
 
     def _handle(self, i: int, handles: dict | None):
-        """Shard i open for reading: `handles`' (opened and kept there the first time), else a new one."""
+        """Shard i open for reading: `handles`' (opened and kept there the first time, the one
+        kept longest closed past KEPT_HANDLES), else a new one."""
         f = handles.get(i) if handles is not None else None
         if f is None:
             f = open_read(self.path / self.shards[i]["path"], ahead=handles is not None)
             if handles is not None:
+                while len(handles) >= KEPT_HANDLES:
+                    handles.pop(next(iter(handles))).close()
                 handles[i] = f
         return f
 

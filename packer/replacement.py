@@ -23,7 +23,7 @@ import numpy as np
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.constants import EPOCH, MANIFEST, PAD_DTYPE, SLICE, WORK_DIR
 from tokpack.formats.guard import OutputLock, holder_name
-from tokpack.formats.io.gate import read_limited
+from tokpack.formats.io.gate import open_files_share, read_limited
 from tokpack.formats.names import epoch_dir_name
 from tokpack.formats.reading import parse_manifest
 from tokpack.formats.hashes import row_hashes
@@ -41,6 +41,10 @@ from tokpack.packer.stage_plan import parse_epochs, slice_ranks
 from tokpack.packer.source_reads import SourceReader
 from tokpack.shuffle import packings
 from tokpack.shuffle.sources import open_source
+
+# Best-fit: the fewest shard files its reader (asking the kernel for pieces, one thread) and its
+# TokenPool (mapping them) each hold, whatever the open-files limit: each half the gate's share.
+MIN_SHARE = 16
 
 
 @dataclass
@@ -325,7 +329,9 @@ class SourceRows:
         self.built = packing.open_table(prepared["table"], prepared["table_xxh3_128"])
         # no source shard is verified whole, nor read whole: each row is checked against RUN's row
         # hash (or the slice) instead, and only its documents are read (will_need, then the map)
-        self.pool = packing.token_pool(self.plan, self.sources, read_in=False)
+        # the reader (its files asked of the kernel) and the pool's mappings share the open files
+        self.reader.max_open = max(MIN_SHARE, open_files_share() // 2)
+        self.pool = packing.token_pool(self.plan, self.sources, read_in=False, most=self.reader.max_open)
 
     def rows(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
         """(the rows at epoch `positions`, increasing, as an [n, row] array; best-fit: their padding)."""

@@ -33,7 +33,7 @@ import numpy as np
 
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io.reads import ThreadPool
-from tokpack.formats.io.gate import open_files_hard_limit, regular_fd
+from tokpack.formats.io.gate import open_files_share, regular_fd
 from tokpack.formats.shards import PackedSource
 
 READ_DEPTH = 32  # reads in flight: an NVMe's queue wants dozens, a network filesystem as many
@@ -48,12 +48,11 @@ MIN_OPEN = 2 * READ_DEPTH
 
 
 def max_open() -> int:
-    """Shard files a reader holds open: half the hard limit on open files (to which the gate
-    raises the soft one at EMFILE), the other half left to the process's other files (best-fit's
-    mapped shards, RUN's, its output's), and at least MIN_OPEN. A source of fewer shards keeps
+    """Shard files a reader holds open: the gate's share of the hard limit on open files (to
+    which it raises the soft one at EMFILE), and at least MIN_OPEN. A source of fewer shards keeps
     every one open, as it did: a reopen costs the gate's checks (~35 us of CPU), and a rebuild of
     3,000 shards reopening each at every part (of 945 rows) took 1.9x the CPU seconds."""
-    return max(MIN_OPEN, (open_files_hard_limit() or 0) // 2)
+    return max(MIN_OPEN, open_files_share())
 
 
 def local_shards(stream) -> bool:

@@ -204,6 +204,14 @@ def open_files_hard_limit() -> int | None:
     return 1 << 20 if hard == resource.RLIM_INFINITY else hard
 
 
+def open_files_share() -> int:
+    """The open files one reader of many shard files may hold at once (descriptors, or mappings:
+    Python before 3.13 holds a file a mapping): half the hard limit, the other half left to the
+    process's other files. A source may have more shards (20,000-100,000) than a cluster's hard
+    limit (4,096-65,536): such a reader closes, or unmaps, the least recently used first."""
+    return (open_files_hard_limit() or 0) // 2
+
+
 def raise_open_files_limit() -> bool:
     """This process's soft limit on open files raised to its hard one (Linux's fs.nr_open
     default, 2^20, for an unlimited hard one); whether it was, now or before: a call that met

@@ -6,12 +6,14 @@ sources alone and proves the row table, the packing rules and each shard's paddi
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import numpy as np
 import xxhash
 
 from tokpack.formats.constants import DEFAULT_PLAN_MEMORY
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.io.gate import map_file
+from tokpack.formats.io.gate import map_file, open_files_share
 from tokpack.formats.hashes import hash_hex64, order_hash_terms, row_hashes
 from tokpack.formats.shards import PackedSource
 
@@ -22,28 +24,53 @@ from .table import row_padding, shard_places, table_rows
 
 # -------------------------------------------------------------------- building rows
 
+MIN_MAPPED = 64  # the fewest shards a TokenPool keeps mapped, whatever the open-files limit
+
 
 class TokenPool:
     """Every used source's shards, memory-mapped (the page cache, no fresh memory), for the
-    in-memory engine and the replay. A piece never spans two shards (no document does).
-    `read_in=False`: the shards are not read in whole as they are mapped, only the pages of the
-    pieces used (a replacement node's rows are 1/N of the source's, asked of the kernel ahead)."""
+    in-memory engine, the replacement node and the replay. A piece never spans two shards (no
+    document does). `read_in=False`: the shards are not read in whole as they are mapped, only
+    the pages of the pieces used (a replacement node's rows are 1/N of the source's, asked of
+    the kernel ahead).
 
-    def __init__(self, plan: PackedPlan, sources: list[PackedSource], on_shard=None, read_in: bool = True):
+    At most `most` shards are mapped at once (the gate's share of the open-files limit: Python
+    before 3.13 holds a file a mapping). A source of more shards, past a cluster's hard limit,
+    failed with EMFILE; its shards are now mapped as pieces need them, the one mapped first
+    unmapped first, each mapped once a call of `rows` (its pieces taken in shard order)."""
+
+    def __init__(
+        self, plan: PackedPlan, sources: list[PackedSource], on_shard=None, read_in: bool = True, most: int = 0
+    ):
         used = [s for s, sp in enumerate(plan.sources) if sp.samples]
         self.dtype = sources[0].dtype
-        self.parts: list[np.ndarray] = []  # mapped shards, in (source, shard) order
+        self.files: list[tuple[PackedSource, int]] = []  # each part's (source, shard), in (source, shard) order
         self.first: dict[int, int] = {}  # source -> its first part
         for s in used:
-            src = sources[s]
-            self.first[s] = len(self.parts)
-            for k, shard in enumerate(src.shards):
-                n = int(shard["tokens"])
-                part = map_file(src.path / shard["path"], 0, n * src.dtype.itemsize, read_in).view(src.dtype)
+            self.first[s] = len(self.files)
+            self.files.extend((sources[s], k) for k in range(len(sources[s].shards)))
+        self.most = most or max(MIN_MAPPED, open_files_share())
+        self.maps: OrderedDict[int, np.ndarray] = OrderedDict()  # part -> its tokens, least recently used first
+        for p, (src, k) in enumerate(self.files):
+            if p < self.most or on_shard is not None:  # every shard checked, and as many kept mapped as may be
+                part = self._part(p, read_in)
                 if on_shard is not None:
                     on_shard(src, k, part)
-                self.parts.append(part)
+        self.read_in = read_in and len(self.files) <= self.most  # a shard mapped again: its pieces' pages alone
+        self.parts = list(self.maps.values()) if len(self.files) <= self.most else None  # in part order
         self.sources = sources
+
+    def _part(self, p: int, read_in: bool) -> np.ndarray:
+        """Part p's tokens, mapped before or now (the one mapped first unmapped, past `most`)."""
+        part = self.maps.get(p)
+        if part is None:
+            while len(self.maps) >= self.most:
+                self.maps.popitem(last=False)  # its mapping, and file, closed as its last view goes
+            src, k = self.files[p]
+            n = int(src.shards[k]["tokens"])
+            part = map_file(src.path / src.shards[k]["path"], 0, n * src.dtype.itemsize, read_in).view(src.dtype)
+            self.maps[p] = part
+        return part
 
     def rows(
         self, table: np.ndarray, g0: int, g1: int, row_tokens: int, pad_id: int, starts: np.ndarray | None = None
@@ -67,9 +94,18 @@ class TokenPool:
         dest = (t["g"].astype(np.int64) - g0) * row_tokens + t["row_offset"].astype(np.int64)
         # One slice copy per piece: pieces are documents, hundreds of tokens or more, and a loop
         # of memcpys measured 6x faster than gathering through per-token index arrays.
-        flat, parts = out.reshape(-1), self.parts
-        for d, p, s, n in zip(dest.tolist(), part.tolist(), local.tolist(), t["length"].tolist()):
-            flat[d : d + n] = parts[p][s : s + n]
+        flat, pieces = out.reshape(-1), (dest, part, local, t["length"])
+        if self.parts is not None:  # every shard mapped: a list's index a piece (a lookup cost 15% more CPU)
+            parts = self.parts
+            for d, p, s, n in zip(*(x.tolist() for x in pieces)):
+                flat[d : d + n] = parts[p][s : s + n]
+            return out
+        by = np.argsort(part, kind="stable")  # in shard order: each shard mapped once for this call
+        last, tokens = -1, None
+        for d, p, s, n in zip(*(x[by].tolist() for x in pieces)):
+            if p != last:
+                tokens, last = self._part(p, self.read_in), p
+            flat[d : d + n] = tokens[s : s + n]
         return out
 
 
