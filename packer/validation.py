@@ -14,6 +14,7 @@ passes in: this module imports nothing from shuffle/.
 
 from __future__ import annotations
 
+import errno
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -34,6 +35,10 @@ from .dir_checks import Dir, DirReport, ValidationReport, plan_dir
 from .run_checks import check_run
 from .run_proof import on_nodes, prove_on_nodes
 from .slice_validation import slice_against_run
+
+# OSErrors of this machine, not of the data: the command fails in one line naming the cause (no
+# open files left, no memory), never a CORRUPT verdict on a sound dataset
+NOT_THE_DATAS = (errno.EMFILE, errno.ENFILE, errno.ENOMEM)
 
 
 def _number_samples(plan: list[Dir]) -> None:
@@ -91,6 +96,8 @@ def validate_dirs(
                 res = Findings()
                 res.problems.append(Problem.from_error(e))
             except OSError as e:
+                if e.errno in NOT_THE_DATAS:
+                    raise
                 res = Findings()
                 res.add(
                     job.directory / job.entry["path"],
@@ -196,6 +203,8 @@ def _against(report: ValidationReport, against: list[str], replay, source_rows=N
         try:
             expected, orders = replay(m, sources)
         except (TokpackError, OSError) as e:
+            if isinstance(e, OSError) and e.errno in NOT_THE_DATAS:
+                raise
             if nodes and prove_on_nodes(d, None, source_rows):
                 continue  # the position the replay's refusal comes from, named in one line
             err = e if isinstance(e, TokpackError) else TokpackError(f"cannot replay the plan: {e}", file=e.filename)

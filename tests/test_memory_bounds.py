@@ -299,6 +299,20 @@ def test_validate_against_replays_a_source_of_more_shards_than_the_hard_open_fil
         assert r.stdout.splitlines()[-1].startswith("OK:"), r.stdout
 
 
+def test_validate_past_every_bound_is_one_line_naming_the_limit_not_corrupt(many_shards):
+    """At a hard limit of 40 files, below what even the bounded reads hold (64 handles): EMFILE
+    is this machine's, not the data's: one line whose hint names the limit, exit 1, never a
+    CORRUPT verdict (a problem blamed on a sound source, or on its epoch's manifest)."""
+    root, src, _ = many_shards
+    epoch = root / "free-concat" / "epoch-00000"
+    cmd = [sys.executable, "-m", "tokpack", "validate", str(epoch), "--against", str(src)]
+    r = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=_limited(40, 40), timeout=120)
+    errors = [x for x in r.stderr.splitlines() if x.startswith("tokpack: error:")]
+    assert r.returncode == 1 and len(errors) == 1 and "Traceback" not in r.stderr, (r.stdout, r.stderr)
+    assert "Too many open files" in errors[0] and "HINT: raise the open-files limit" in errors[0]
+    assert "CORRUPT" not in r.stdout + r.stderr, r.stdout
+
+
 def _to_nodes(many_shards, name: str, limit=None, packing: str = "concat") -> list:
     """`shuffle --to-nodes` of the 300 shards, 2 processes (`limit`: their preexec_fn) to
     RUN root/run-`name`: its node slices' files (path below root/nodes-`name`, bytes)."""
