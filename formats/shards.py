@@ -36,6 +36,7 @@ from .token_check import FileDigest, digest_error
 # real source, but thousands of tiny ones (a shard a document): each kept, past the hard
 # open-files limit, `validate --against` met EMFILE and called the epoch corrupt.
 KEPT_HANDLES = 64
+
 _SHARD_FILE = re.compile(
     "[0-9]+[.]ds(" + "|".join(re.escape(s) for s in (*SHARD_SUFFIXES, PAD_SUFFIX, ROWS_SUFFIX) if s) + ")?"
 )

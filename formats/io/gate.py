@@ -208,7 +208,7 @@ def open_files_share() -> int:
     """The open files one reader of many shard files may hold at once (descriptors, or mappings:
     Python before 3.13 holds a file a mapping): half the hard limit, the other half left to the
     process's other files. A source may have more shards (20,000-100,000) than a cluster's hard
-    limit (4,096-65,536): such a reader closes, or unmaps, the least recently used first."""
+    limit (4,096-65,536): such a reader closes, or unmaps, one file as it opens another."""
     return (open_files_hard_limit() or 0) // 2
 
 

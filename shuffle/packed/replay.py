@@ -50,13 +50,13 @@ class TokenPool:
             self.first[s] = len(self.files)
             self.files.extend((sources[s], k) for k in range(len(sources[s].shards)))
         self.most = most or max(MIN_MAPPED, open_files_share())
-        self.maps: OrderedDict[int, np.ndarray] = OrderedDict()  # part -> its tokens, least recently used first
+        self.maps: OrderedDict[int, np.ndarray] = OrderedDict()  # part -> its tokens, in the order mapped
         for p, (src, k) in enumerate(self.files):
             if p < self.most or on_shard is not None:  # every shard checked, and as many kept mapped as may be
                 part = self._part(p, read_in)
                 if on_shard is not None:
                     on_shard(src, k, part)
-        self.read_in = read_in and len(self.files) <= self.most  # a shard mapped again: its pieces' pages alone
+        self.read_in = read_in and len(self.files) <= self.most  # mapped as pieces need it: their pages alone
         self.parts = list(self.maps.values()) if len(self.files) <= self.most else None  # in part order
         self.sources = sources
 
