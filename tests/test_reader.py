@@ -483,7 +483,7 @@ def test_torch_adapter_workers_cover_each_sample_once_and_resume(run_dir):
         assert int(batch["consumed_samples"]) == (b + 1) * world * micro
 
     state = ds.state_dict(batches[9])
-    assert state == {"epoch": 1, "sample": 60 - 53, "consumed_samples": 60}
+    assert state == {"epoch": 1, "sample": 60 - 53, "consumed_samples": 60, "seq_len": SEQ, "run": ds.reader.run_digest}
     assert all(isinstance(v, int) for v in state.values())
     resumed = TokpackDataset(run_dir, rank=1, world_size=world, micro_batch=micro, positions="eos", at_end="stop")
     resumed.load_state_dict(json.loads(json.dumps(state)))
@@ -495,7 +495,13 @@ def test_torch_adapter_workers_cover_each_sample_once_and_resume(run_dir):
     solo = TokpackDataset(run_dir, rank=0, world_size=1, micro_batch=4, positions=None)
     it = iter(solo)
     next(it), next(it)
-    assert solo.state_dict() == {"epoch": 0, "sample": 8, "consumed_samples": 8}
+    assert solo.state_dict() == {
+        "epoch": 0,
+        "sample": 8,
+        "consumed_samples": 8,
+        "seq_len": SEQ,
+        "run": solo.reader.run_digest,
+    }
 
 
 def test_cli_read_json(run_dir):
