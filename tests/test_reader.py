@@ -655,6 +655,35 @@ def test_shard_cut_short_after_open_is_one_line_not_other_bytes(tmp_path):
     )
 
 
+def test_shard_replaced_after_open_is_one_line_not_other_samples(tmp_path):
+    """A shard replaced after the reader's open by a file of its size (an epoch directory
+    reshuffled in place, a file renamed over it) was read as the reader's own: other samples at
+    the same offsets, also in a DataLoader worker, which opens the files afresh. Now the file's
+    first open, in whatever process, names it; a file left as it was still reads."""
+    from torch.utils.data import DataLoader
+
+    from tokpack.loader.torch_adapter import TokpackDataset
+
+    run = make_run(tmp_path / "run", {0: 14})
+    other = make_run(tmp_path / "other", {1: 14})  # the same shapes, other samples
+    shard = run / epoch_dir_name(0) / "00001.ds"  # samples 7..13
+    reader = SampleReader.open(run)
+    ds = TokpackDataset(run, micro_batch=7, start_sample=7, positions=None)
+    shutil.copy(other / epoch_dir_name(1) / "00001.ds", shard.with_name("swap"))
+    os.replace(shard.with_name("swap"), shard)
+    assert ids(reader.read(0, 7)) == [(0, g) for g in range(7)]  # the other shard is as it was
+    line = (
+        f"{shard} [inode/mtime]: file was replaced or rewritten after the reader was opened: it may hold other samples"
+    )
+    with pytest.raises(TokpackError) as err:
+        reader.read(7)
+    assert str(err.value).startswith(line)
+    with pytest.raises(TokpackError) as err:
+        next(iter(DataLoader(ds, batch_size=None, num_workers=1)))
+    assert str(err.value).startswith(line) and "\n" not in str(err.value)
+    assert ids(SampleReader.open(run).read(7)) == [(1, 7)]  # a reader opened now reads the file as it is
+
+
 def _edit_manifest(directory: Path, **fields) -> None:
     """Rewrites a manifest with some fields changed (None: removed), as another tool would."""
     m = json.loads((directory / "tokpack.json").read_text())
