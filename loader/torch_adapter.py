@@ -88,6 +88,14 @@ def _check_worker_count_at_iteration() -> None:
         state = getattr(loader, "next_iter_state", None)
         if state is not None and isinstance(loader.dataset, TokpackDataset):
             _same_workers(len(_worker_snapshots(state)), loader.num_workers)
+            if state.get("_iterator_finished") is True and _worker_snapshots(state):
+                # A state saved once the iteration ended (at_end="stop"): torchdata makes the
+                # iterator of the state, sees it finished and makes a fresh one, its workers
+                # forked from the dataset's own position (where it was built: the run again
+                # from its start). Without workers the state reaches the dataset first. So the
+                # dataset takes the state's count here, and the iterator starts fresh from it.
+                loader.dataset.resume_ended(state)
+                loader.next_iter_state = None
         return made(loader)
 
     _get_iterator._tokpack_checks_workers = True
@@ -552,6 +560,16 @@ class TokpackDataset(IterableDataset):
         if step >= batches.batches(self.reader.total_samples) + workers:
             self._within_run(batches.first(0, step), "next_step")
         return share
+
+    def resume_ended(self, loader_state: dict) -> None:
+        """Where a StatefulDataLoader state saved with workers once its iteration ended goes on:
+        its consumed-sample count, each worker's share checked as a loaded share is."""
+        for share in _worker_snapshots(loader_state).values():
+            state = _as_state(share.get("dataset_state") if isinstance(share, dict) else None)
+            self._same_samples(state)
+            self._checked_share(state)
+        self.consumed = self._within_run(self.consumed_samples(loader_state), "consumed_samples")
+        self._worker_resume = None
 
     def load_loader_state(self, loader, loader_state: dict) -> None:
         """`loader.load_state_dict(loader_state)` for a StatefulDataLoader over this dataset, after
