@@ -28,6 +28,21 @@ NODES_SIDECAR = "tokpack-nodes.json"
 LOCK_NAME = "tokpack.lock"  # the lock of the command writing a directory (formats/guard.py)
 WORK_DIR = ".tokpack-work"  # a command's scratch inside OUT, removed when it finishes
 HOLDOUT_DIR = "holdout"  # RUN/holdout/: the held-out documents of `shuffle --holdout`, an epoch directory
+# Fields a run and each of its epochs agree on (when both record them): validate's check of a
+# run's epochs and the reader's at open, which refuses an epoch of another run put in its place.
+RUN_KEYS = (
+    "dtype",
+    "token_size",
+    "vocab_size",
+    "eos_id",
+    "tokenizer",
+    "seq_len",
+    "seed",
+    "jitter",
+    "samples",
+    "shard_samples",
+    "shuffle",
+)
 # Epoch numbers run from 0 to MAX_EPOCHS - 1: their five digits keep a run's epoch-NNNNN folders
 # listed in order, and a run manifest lists each epoch written.
 MAX_EPOCHS = 10**5

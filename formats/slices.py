@@ -14,6 +14,7 @@ tokpack.packer.slice_validation.
 
 from __future__ import annotations
 
+import json
 import shlex
 from pathlib import Path
 from typing import Iterator
@@ -46,6 +47,15 @@ def rank_file_name(rank: int) -> str:
 def run_identity(run: dict) -> dict:
     """What a slice records of its run: every field but those that grow as epochs are written."""
     return {k: v for k, v in run.items() if k not in RUN_SELECTION_KEYS}
+
+
+def run_digest(run: dict) -> int:
+    """A digest of a run's identity (`run_identity`): equal for the run, its staged copies and
+    its node slices, as epochs are added; a loader state records it, so that a state of another
+    run, whose consumed-sample numbers name other samples, is refused at its load. 63 bits: a
+    state's fields are integers that fit an int64. Keys sorted: the digest does not depend on
+    the order a manifest lists them in."""
+    return xxhash.xxh3_64_intdigest(json.dumps(run_identity(run), sort_keys=True).encode()) >> 1
 
 
 def stage_command(

@@ -40,11 +40,11 @@ from tokpack.formats.arguments import flag, text, tokens, whole
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io.paths import as_path, is_url
 from tokpack.formats.io.gate import read_limited
-from tokpack.formats.constants import EPOCH, MANIFEST, NODES_SIDECAR, RUN, SLICE
+from tokpack.formats.constants import EPOCH, MANIFEST, NODES_SIDECAR, RUN, RUN_KEYS, SLICE
 from tokpack.formats.reading import partial_stage_absent, read_manifest, strict_json
 from tokpack.formats.numbering import EpochNumbering, shuffle_command
 from tokpack.formats.shards import row_segments
-from tokpack.formats.slices import RankRows, contained_epoch_dir
+from tokpack.formats.slices import RankRows, contained_epoch_dir, run_digest
 from tokpack.formats.units import counted
 
 from .assembly import (  # noqa: F401 -- re-exported: tests, docs and users import them from here
@@ -192,6 +192,7 @@ class SampleReader(ShardFiles):
                         expected=manifest["seq_len"],
                         found=m.get("seq_len"),
                     )
+                _epoch_of_run(d, m, manifest)
                 if numbering is not None and not (numbering.has(e) and int(m.get("samples", -1)) == numbering.size(e)):
                     raise TokpackError(
                         "epoch size differs from its run's",
@@ -225,6 +226,12 @@ class SampleReader(ShardFiles):
         return reader
 
     # -------------------------------------------------------------- positions
+
+    @property
+    def run_digest(self) -> int | None:
+        """The identity of the run this reader serves (formats.slices.run_digest), None for a
+        chain of epoch directories: what a loader state records of the run it was saved over."""
+        return None if self.run is None else run_digest(self.run[1])
 
     @property
     def epochs(self) -> list[int]:
@@ -579,6 +586,35 @@ class RankStream:
         if self.positions == "eos":
             return rows, positions_from_eos(rows, r.eos_id)
         return rows, r.index_positions(g, m)
+
+
+def _epoch_of_run(d: Path, m: dict, run: dict) -> None:
+    """An epoch of another run put in a run's place (reshuffled with another seed, of other
+    sources) has the run's shape but other samples: refused at open, on the fields validate
+    compares (RUN_KEYS, the sources' fingerprints in order), where both manifests record them.
+    An epoch's size is the numbering's check (a schedule's epochs differ in size)."""
+    for key in RUN_KEYS:
+        if key != "samples" and key in run and key in m and m[key] != run[key]:
+            raise TokpackError(
+                "epoch manifest belongs to another run",
+                file=d / MANIFEST,
+                where=key,
+                expected=f"{run[key]!r} (the run's)",
+                found=repr(m[key]),
+                hint="the epoch was replaced or belongs elsewhere; run `tokpack validate` on the run",
+            )
+    ours, theirs = run.get("sources"), m.get("sources")
+    if isinstance(ours, list) and isinstance(theirs, list) and len(ours) == len(theirs):
+        for i, (a, b) in enumerate(zip(ours, theirs)):
+            if isinstance(a, dict) and isinstance(b, dict) and a.get("fingerprint") != b.get("fingerprint"):
+                raise TokpackError(
+                    "epoch source differs from the run's",
+                    file=d / MANIFEST,
+                    where=f"sources[{i}].fingerprint",
+                    expected=f"{a.get('fingerprint')!r} (the run's)",
+                    found=repr(b.get("fingerprint")),
+                    hint="the epoch was replaced or belongs elsewhere; run `tokpack validate` on the run",
+                )
 
 
 def _nodes_dest(sidecar: Path) -> str:

@@ -50,12 +50,17 @@ class ShardTable:
         # Best-fit epochs: per shard its .ds.pad (file, xxh3_128) or None; None when no shard has one
         self.pads: list[tuple[str, str] | None] | None = []
         self.pad_sizes: dict[str, int] = {}  # .ds.pad file -> its recorded bytes, checked by the gate at its open
+        # Local token file -> its `file_identity` when the table was built: a file opened later
+        # (first read, reopened, in a DataLoader worker) is checked against it (ShardFiles._same_file)
+        self.seen: dict[str, tuple] = {}
         # (a shard's size is checked when the reader opens: one cut short later still serves the rows it holds)
 
     def add(self, f: str, s: dict, samples: int) -> None:
         """Token file `f` of shard entry `s`, which holds `samples` rows."""
         check = token_check(s)
         self.paths.append(f)
+        if f not in self.seen and f not in self.absent and not is_url(f):  # a file named twice: stat'd once
+            self.seen[f] = file_identity(f)
         self.checksums.append(None if check is None else (*check, samples))
         self.index_checksums.append(s.get("index_xxh3_128"))
         self.pads.append((f + PAD_SUFFIX, s["pad_xxh3_128"]) if has_pad(s) else None)
@@ -85,6 +90,16 @@ class ShardTable:
         while pos + 1 < len(self.epochs) and self.epoch_starts[pos + 1] == self.epoch_ends[pos]:
             pos += 1
         return int(self.epoch_ends[pos])
+
+
+# The machine a reader was opened on: a file's identity (device, inode) means something there only.
+_HOST = os.uname().nodename
+
+
+def file_identity(path: str, fd: int | None = None) -> tuple:
+    """(host, device, inode, size, mtime in ns) of a local file, by its path or an open descriptor."""
+    st = os.stat(path) if fd is None else os.fstat(fd)
+    return (_HOST, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 def _close(fd) -> None:
@@ -313,8 +328,33 @@ class ShardFiles:
                 fd = open_read(path, ahead=False, **rules) if is_url(path) else regular_fd(path, **rules)
             except FileNotFoundError:
                 raise shard_error("file disappeared after the reader was opened", path) from None
+            if isinstance(fd, int):
+                self._same_file(path, fd)
             got = self._fds[path] = (fd, os.fstat(fd).st_size if isinstance(fd, int) else fd.size)
         return got
+
+    def _same_file(self, path: str, fd: int) -> None:
+        """A token file opened now (its first read, reopened, in a DataLoader worker) against what
+        the reader's open saw at its path: another file there (an epoch directory replaced, a file
+        renamed over it), or the file rewritten to its size, may hold other samples at the same
+        offsets, read without a word before. A file cut short still serves the rows it holds
+        (`_pread` names where it ends). Checked on the machine that opened the reader only: a
+        reader sent to another host meets that host's copy."""
+        seen = self.table.seen.get(path)
+        if seen is None or seen[0] != _HOST:
+            return
+        now = file_identity(path, fd)
+        if now[1:3] != seen[1:3] or (now[3] == seen[3] and now[4] != seen[4]):
+            os.close(fd)
+            raise shard_error(
+                "file was replaced or rewritten after the reader was opened: it may hold other samples",
+                path,
+                where="inode/mtime",
+                expected=f"inode {seen[2]}, modified {seen[4]} ns (at the reader's open)",
+                found=f"inode {now[2]}, modified {now[4]} ns",
+                hint="open the reader again (a new TokpackDataset) over the run as it is now; "
+                "run `tokpack validate` on it first",
+            )
 
     def _check(self, path: str, expected: str | None, rows: tuple[str, int] | None = None) -> None:
         """verify=True: the file against its manifest, once per file: its whole xxh3_128, or, for a

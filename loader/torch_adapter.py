@@ -88,6 +88,14 @@ def _check_worker_count_at_iteration() -> None:
         state = getattr(loader, "next_iter_state", None)
         if state is not None and isinstance(loader.dataset, TokpackDataset):
             _same_workers(len(_worker_snapshots(state)), loader.num_workers)
+            if state.get("_iterator_finished") is True and _worker_snapshots(state):
+                # A state saved once the iteration ended (at_end="stop"): torchdata makes the
+                # iterator of the state, sees it finished and makes a fresh one, its workers
+                # forked from the dataset's own position (where it was built: the run again
+                # from its start). Without workers the state reaches the dataset first. So the
+                # dataset takes the state's count here, and the iterator starts fresh from it.
+                loader.dataset.resume_ended(state)
+                loader.next_iter_state = None
         return made(loader)
 
     _get_iterator._tokpack_checks_workers = True
@@ -445,6 +453,7 @@ class TokpackDataset(IterableDataset):
                 "worker": info.id,
                 "num_workers": info.num_workers,
                 "global_batch": self.global_batch,
+                **self._samples_named(),
             }
         if int(self._workers_iterating[0]):
             raise TokpackError(
@@ -457,18 +466,61 @@ class TokpackDataset(IterableDataset):
 
     def _position(self, g: int) -> dict:
         epoch, sample = self.reader.epoch_sample(g)
-        return {"epoch": int(epoch), "sample": int(sample), "consumed_samples": int(g)}
+        return {"epoch": int(epoch), "sample": int(sample), "consumed_samples": int(g), **self._samples_named()}
+
+    def _samples_named(self) -> dict:
+        """What a state records of the samples its numbers name: the seq_len and the run (its
+        digest; none for a chain of epoch directories). A count names other samples in another
+        run or at another seq_len, so a state saved there is refused at its load."""
+        digest = self.reader.run_digest
+        return {"seq_len": self.reader.seq_len, **({} if digest is None else {"run": digest})}
+
+    def _same_samples(self, state: dict) -> None:
+        """A loaded state's seq_len and run, where it records them (a state of an older tokpack
+        does not), against this dataset's: one line when its numbers name other samples."""
+        if "seq_len" in state:
+            seq_len = _state_int(state, "seq_len", least=1)
+            if seq_len != self.reader.seq_len:
+                raise TokpackError(
+                    "loader state was saved reading another seq_len: its counts are of other samples",
+                    where="loader state seq_len",
+                    expected=self.reader.seq_len,
+                    found=seq_len,
+                    hint="restart from the tokens consumed: TokpackDataset(..., consumed_tokens="
+                    f"TokpackDataset.consumed_samples(loader_state) * {seq_len}) with a fresh StatefulDataLoader",
+                )
+        digest = self.reader.run_digest
+        saved = _state_int(state, "run") if "run" in state else digest
+        if digest is not None and saved != digest:
+            raise TokpackError(
+                "loader state was saved over another run: its counts name that run's samples",
+                file=self.reader.run[0],
+                where="loader state run",
+                expected=f"{digest} (this run's identity)",
+                found=saved,
+                hint="load a state saved over this run (or its staged copy or node slice), or " + _RESTART_HINT,
+            )
 
     @_one_line_from_workers()
     def load_state_dict(self, state: dict) -> None:
         """Resume from `state_dict()`: a worker's share (StatefulDataLoader, same workers, same
         W*m) or a position (epoch, sample) / consumed_samples (any world size). O(1)."""
         state = _as_state(state)
+        self._same_samples(state)
         if "next_step" in state:
             self._worker_resume = self._checked_share(state)
             return
         if "epoch" in state:
             g = self.reader.position(_state_int(state, "epoch"), _state_int(state, "sample"))
+            # Both forms saved: they must name one sample (an edited count was ignored here).
+            if "consumed_samples" in state and _state_int(state, "consumed_samples") != g:
+                raise TokpackError(
+                    "loader state is damaged: its consumed_samples is not the sample its epoch and sample name",
+                    where="loader state consumed_samples",
+                    expected=f"{g} (epoch {state['epoch']}, sample {state['sample']})",
+                    found=state["consumed_samples"],
+                    hint="load the state as it was saved, over the run it was saved over",
+                )
         else:
             g = _state_int(state, "consumed_samples")
         self.consumed = self._within_run(g, "consumed_samples")
@@ -508,6 +560,16 @@ class TokpackDataset(IterableDataset):
         if step >= batches.batches(self.reader.total_samples) + workers:
             self._within_run(batches.first(0, step), "next_step")
         return share
+
+    def resume_ended(self, loader_state: dict) -> None:
+        """Where a StatefulDataLoader state saved with workers once its iteration ended goes on:
+        its consumed-sample count, each worker's share checked as a loaded share is."""
+        for share in _worker_snapshots(loader_state).values():
+            state = _as_state(share.get("dataset_state") if isinstance(share, dict) else None)
+            self._same_samples(state)
+            self._checked_share(state)
+        self.consumed = self._within_run(self.consumed_samples(loader_state), "consumed_samples")
+        self._worker_resume = None
 
     def load_loader_state(self, loader, loader_state: dict) -> None:
         """`loader.load_state_dict(loader_state)` for a StatefulDataLoader over this dataset, after

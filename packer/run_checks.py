@@ -12,7 +12,7 @@ from pathlib import Path
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io.gate import contained
 from tokpack.formats.checks import chain_start, EPOCH_DIR, check_manifest
-from tokpack.formats.constants import EPOCH, HOLDOUT_DIR, MANIFEST, STAGE_SIDECAR
+from tokpack.formats.constants import EPOCH, HOLDOUT_DIR, MANIFEST, RUN_KEYS, STAGE_SIDECAR
 from tokpack.formats.names import epoch_dir_name
 from tokpack.formats.reading import partial_stage_absent
 from tokpack.formats.fields import type_ok
@@ -27,22 +27,6 @@ from .dir_checks import Dir, DirReport, check_row_hashes, plan_dir
 def _source_keys(sources: list) -> list:
     """What identifies a run's or epoch's sources: their fingerprints in order."""
     return [s.get("fingerprint") if isinstance(s, dict) else s for s in sources]
-
-
-# Fields a run and each of its epochs must agree on (when both record them).
-RUN_KEYS = (
-    "dtype",
-    "token_size",
-    "vocab_size",
-    "eos_id",
-    "tokenizer",
-    "seq_len",
-    "seed",
-    "jitter",
-    "samples",
-    "shard_samples",
-    "shuffle",
-)
 
 
 def _scheduled_epochs(path: Path, m: dict, rep: DirReport) -> list[dict] | None:

@@ -176,3 +176,33 @@ def test_state_of_another_worker_count_is_one_line_to_and_from_no_workers(run, s
     )
     same.load_state_dict(state)  # the other way out: the saved count of workers
     assert int(next(iter(same))["consumed_samples"]) == 4 * M
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_state_saved_once_the_iteration_ended_resumes_at_its_end_not_the_start(run, workers):
+    """A loader run to the end of the written epochs (at_end="stop"), then saved: torchdata marks
+    the state finished and, with workers, dropped the workers' shares for a fresh iterator whose
+    workers started where the dataset was built, so the resumed job read the run again from
+    sample 0 (the state's own count, TokpackDataset.consumed_samples, said END). Now it goes on
+    at END: nothing to read there (stop), or the end's line before any batch (error)."""
+    start = END - 3 * M
+
+    def loader(at_end: str) -> StatefulDataLoader:
+        ds = TokpackDataset(run, micro_batch=M, start_sample=0 if at_end == "error" else start, at_end=at_end)
+        return StatefulDataLoader(ds, batch_size=None, num_workers=workers)
+
+    ended = loader("stop")
+    assert len(list(ended)) == 3
+    state = ended.state_dict()
+    assert state["_iterator_finished"] is True and TokpackDataset.consumed_samples(state) == END
+    resumed = loader("stop")
+    resumed.load_state_dict(state)
+    assert [int(b["consumed_samples"]) for b in resumed] == []
+    resumed = loader("error")
+    resumed.load_state_dict(state)
+    got = []
+    with pytest.raises(TokpackError) as e:
+        for batch in resumed:
+            got.append(int(batch["consumed_samples"]))
+    assert got == []
+    one_line(e.value, run)

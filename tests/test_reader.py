@@ -483,7 +483,7 @@ def test_torch_adapter_workers_cover_each_sample_once_and_resume(run_dir):
         assert int(batch["consumed_samples"]) == (b + 1) * world * micro
 
     state = ds.state_dict(batches[9])
-    assert state == {"epoch": 1, "sample": 60 - 53, "consumed_samples": 60}
+    assert state == {"epoch": 1, "sample": 60 - 53, "consumed_samples": 60, "seq_len": SEQ, "run": ds.reader.run_digest}
     assert all(isinstance(v, int) for v in state.values())
     resumed = TokpackDataset(run_dir, rank=1, world_size=world, micro_batch=micro, positions="eos", at_end="stop")
     resumed.load_state_dict(json.loads(json.dumps(state)))
@@ -495,7 +495,13 @@ def test_torch_adapter_workers_cover_each_sample_once_and_resume(run_dir):
     solo = TokpackDataset(run_dir, rank=0, world_size=1, micro_batch=4, positions=None)
     it = iter(solo)
     next(it), next(it)
-    assert solo.state_dict() == {"epoch": 0, "sample": 8, "consumed_samples": 8}
+    assert solo.state_dict() == {
+        "epoch": 0,
+        "sample": 8,
+        "consumed_samples": 8,
+        "seq_len": SEQ,
+        "run": solo.reader.run_digest,
+    }
 
 
 def test_cli_read_json(run_dir):
@@ -647,6 +653,35 @@ def test_shard_cut_short_after_open_is_one_line_not_other_bytes(tmp_path):
         f"{shard} [byte {6 * 32 + 10}]: shard is shorter than its manifest says "
         "(changed while reading?); expected 22 more bytes, found end of file"
     )
+
+
+def test_shard_replaced_after_open_is_one_line_not_other_samples(tmp_path):
+    """A shard replaced after the reader's open by a file of its size (an epoch directory
+    reshuffled in place, a file renamed over it) was read as the reader's own: other samples at
+    the same offsets, also in a DataLoader worker, which opens the files afresh. Now the file's
+    first open, in whatever process, names it; a file left as it was still reads."""
+    from torch.utils.data import DataLoader
+
+    from tokpack.loader.torch_adapter import TokpackDataset
+
+    run = make_run(tmp_path / "run", {0: 14})
+    other = make_run(tmp_path / "other", {1: 14})  # the same shapes, other samples
+    shard = run / epoch_dir_name(0) / "00001.ds"  # samples 7..13
+    reader = SampleReader.open(run)
+    ds = TokpackDataset(run, micro_batch=7, start_sample=7, positions=None)
+    shutil.copy(other / epoch_dir_name(1) / "00001.ds", shard.with_name("swap"))
+    os.replace(shard.with_name("swap"), shard)
+    assert ids(reader.read(0, 7)) == [(0, g) for g in range(7)]  # the other shard is as it was
+    line = (
+        f"{shard} [inode/mtime]: file was replaced or rewritten after the reader was opened: it may hold other samples"
+    )
+    with pytest.raises(TokpackError) as err:
+        reader.read(7)
+    assert str(err.value).startswith(line)
+    with pytest.raises(TokpackError) as err:
+        next(iter(DataLoader(ds, batch_size=None, num_workers=1)))
+    assert str(err.value).startswith(line) and "\n" not in str(err.value)
+    assert ids(SampleReader.open(run).read(7)) == [(1, 7)]  # a reader opened now reads the file as it is
 
 
 def _edit_manifest(directory: Path, **fields) -> None:

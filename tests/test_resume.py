@@ -258,7 +258,13 @@ def test_state_dict_in_main_process_while_workers_iterate_is_an_error(tmp_path):
         "DataLoader workers have served. HINT: save loader.state_dict() of a torchdata "
         "StatefulDataLoader, or call ds.state_dict(batch) with the last batch the loader returned"
     )
-    assert ds.state_dict(batches[-1]) == {"epoch": 0, "sample": 48, "consumed_samples": 48}
+    assert ds.state_dict(batches[-1]) == {
+        "epoch": 0,
+        "sample": 48,
+        "consumed_samples": 48,
+        "seq_len": SEQ,
+        "run": ds.reader.run_digest,
+    }
     del it
 
 
@@ -279,3 +285,71 @@ def test_consumed_samples_of_a_stateful_loader_on_every_rank_at_any_snapshot_int
         assert seen == [(b + 1) * world * micro for b in range(k)], (rank, seen)
         assert TokpackDataset.consumed_samples(loader.state_dict()) == k * world * micro, rank
         del it
+
+
+# ------------------------------------------------------- a state of another run
+
+
+def other_run(base: Path, source: Path, **settings) -> Path:
+    """A run of `source` like make_run's but for `settings` (another seed, another seq_len)."""
+    kw = dict(seq_len=SEQ, seed=4, epochs=[0, 1], samples=N, shard_samples=2, memory=8 << 20) | settings
+    shuffle_run([str(source)], str(base), **kw)
+    return base
+
+
+def test_a_state_of_another_run_or_seq_len_or_edited_is_refused_at_its_load(tmp_path):
+    """A loader state's counts name samples of the run it was saved over, at its seq_len. Loaded
+    over a run reshuffled with another seed, or over another seq_len, it read other samples at
+    the same count without a word; a position whose consumed_samples was edited (-1, "6", 999)
+    loaded as if it were whole, the count never looked at. Each is now one line at the load; the
+    same state still loads over the run, its staged copy and a node slice of it."""
+    from tokpack import stage
+
+    run = make_run(tmp_path, [0, 1])
+    reseeded = other_run(tmp_path / "seed5", tmp_path / "src", seed=5)
+    longer = other_run(tmp_path / "seq16", tmp_path / "src", seq_len=SEQ + 1)
+    position = TokpackDataset(run, micro_batch=2).state_dict({"consumed_samples": 56})
+    assert position["seq_len"] == SEQ and position["consumed_samples"] == 56
+    share = {"start": 0, "next_step": 28, "worker": 0, "num_workers": 1, "global_batch": 2}
+    share |= {k: position[k] for k in ("seq_len", "run")}
+    for state in (position, share):
+        with pytest.raises(TokpackError, match=r"\[loader state run\]: loader state was saved over another run"):
+            TokpackDataset(reseeded, micro_batch=2).load_state_dict(state)
+        with pytest.raises(TokpackError) as err:
+            TokpackDataset(longer, micro_batch=2).load_state_dict(state)
+        assert str(err.value).startswith(
+            f"[loader state seq_len]: loader state was saved reading another seq_len: its counts are of other "
+            f"samples; expected {SEQ + 1}, found {SEQ}. HINT: restart from the tokens consumed"
+        )
+    for edited in (-1, "6", 999, 2.0):
+        with pytest.raises(TokpackError, match=r"\[loader state consumed_samples\]"):
+            TokpackDataset(run, micro_batch=2).load_state_dict({**position, "consumed_samples": edited})
+    # the run's own state goes on where it was saved: over the run, its staged copy, its node slice
+    stage(str(run), str(tmp_path / "copy"))
+    stage(str(run), str(tmp_path / "slice"), ranks="0", world_size=1, micro_batch=2)
+    want = next(iter(TokpackDataset(run, micro_batch=2, start_sample=56)))["input_ids"]
+    for where in (run, tmp_path / "copy", tmp_path / "slice"):
+        for state in (position, share):
+            ds = TokpackDataset(where, micro_batch=2)
+            ds.load_state_dict(state)
+            assert torch.equal(next(iter(ds))["input_ids"], want), (where, state)
+
+
+def test_a_run_holding_an_epoch_of_another_run_is_refused_at_open(tmp_path):
+    """An epoch directory replaced by one of another run (reshuffled with another seed, of the
+    same size) was read as the run's: other samples at every count. `validate` calls it
+    CORRUPT; the reader now refuses it at open, on the same field."""
+    import shutil
+
+    run = make_run(tmp_path, [0, 1])
+    reseeded = other_run(tmp_path / "seed5", tmp_path / "src", seed=5)
+    shutil.rmtree(run / epoch_dir_name(1))
+    shutil.copytree(reseeded / epoch_dir_name(1), run / epoch_dir_name(1))
+    with pytest.raises(TokpackError) as err:
+        SampleReader.open(run)
+    assert str(err.value).startswith(
+        f"{run / epoch_dir_name(1) / 'tokpack.json'} [seed]: epoch manifest belongs to another run; "
+        "expected 4 (the run's), found 5."
+    )
+    code, out, err_text = cli("read", run, "--count", 1)
+    assert "epoch manifest belongs to another run" in one_line_error(code, out, err_text)

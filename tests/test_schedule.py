@@ -259,7 +259,13 @@ def test_tokpack_dataset_workers_cross_a_stage_boundary_and_resume_inside_it(run
     for batch, rows in zip((first, crossing, after), want):
         assert torch.equal(batch["input_ids"], torch.from_numpy(rows[:, :-1]))
     assert int(crossing["consumed_samples"]) == BOUNDARY + 3
-    assert ds.state_dict(crossing) == {"epoch": 2, "sample": 3, "consumed_samples": BOUNDARY + 3}
+    assert ds.state_dict(crossing) == {
+        "epoch": 2,
+        "sample": 3,
+        "consumed_samples": BOUNDARY + 3,
+        "seq_len": ds.reader.seq_len,
+        "run": ds.reader.run_digest,
+    }
     resumed = StatefulDataLoader(
         TokpackDataset(run, rank=1, world_size=world, micro_batch=micro, start_sample=start, positions="eos"),
         batch_size=None,
