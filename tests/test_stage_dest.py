@@ -222,6 +222,18 @@ def test_a_node_slice_into_a_slice_of_another_run_or_other_ranks_is_refused(runs
     refused(slice_args(runs["run"], dest), dest, "other ranks", "rank-00002.ds")
 
 
+@pytest.mark.parametrize("selection", [[], ["--epochs", "0"]])
+def test_a_stage_into_the_directory_it_stages_is_refused(runs, tmp_path, selection):
+    """DEST the run itself (or a link to it): every file was "in place", and the run's own
+    manifests were rewritten as the copy's: with --epochs 0 the run listed epoch 0 alone,
+    its epoch 1 dropped (validate: INCOMPLETE, a reader never fed it)."""
+    run = copy_of(runs["run"], tmp_path / "run")
+    (tmp_path / "link").symlink_to(run)
+    for dest in (run, tmp_path / "link"):
+        refused(["stage", run, dest, *selection], run, "DEST is the directory being staged")
+    assert tree(run) == tree(runs["run"])
+
+
 # ------------------------------------------------------------------ its own copy: restaged, resumed
 
 
