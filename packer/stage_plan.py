@@ -24,6 +24,7 @@ from tokpack.formats.shards import contained_shard, shard_files
 from tokpack.formats.token_check import ROWS, token_check
 from tokpack.formats.slices import RankRows
 from tokpack.formats.units import at_most, digits
+from tokpack.packer.run_checks import epoch_of_run_error
 
 # Per-worker copy buffer. Large blocks keep a disk or an object store streaming; with a
 # handful of workers the memory stays at workers x STAGE_BLOCK.
@@ -251,6 +252,26 @@ def shards_for_ranks(
     return out
 
 
+def listed_epochs(run: dict, run_dir: str, epochs=None) -> list[int]:
+    """The epochs a slice of `run` stages: `epochs` ('0,1', '0-3'; None: all), each one the run's
+    manifest lists (a run being shuffled lists its complete ones only), or one line naming the
+    command that writes the first missing."""
+    available = sorted(int(e) for e in run.get("epochs") or [])
+    chosen = available if epochs is None else parse_epochs(epochs)
+    missing = [e for e in chosen if e not in available]
+    if missing:
+        raise TokpackError(
+            "epochs not in this run (yet)",
+            file=run_dir,
+            where="epochs",
+            expected=f"some of {available}",
+            found=missing,
+            hint=f"write epoch {missing[0]} with `{shuffle_command(run, run_dir, missing[0])}`"
+            " or stage the written ones",
+        )
+    return chosen
+
+
 # Ranks one node slice holds: each is a file written at once during a stage, so the bound is the
 # open files a process may hold, far above the GPUs a node has.
 MAX_SLICE_RANKS = 256
@@ -462,6 +483,10 @@ def make_plan(src: Source, epochs=None, ranks=None, micro_batch: int = 1) -> tup
             + " or pick others",
         )
     manifests = [src.manifest(epoch_dir_name(e), kind=EPOCH) for e in chosen]
+    for e, m in zip(chosen, manifests):  # each epoch this run's, as validate checks it: never another run's copied
+        err = epoch_of_run_error(root, src.path, e, m, src.at(join_rel(epoch_dir_name(e), MANIFEST)))
+        if err is not None:
+            raise err
     # A reader of DEST numbers samples as the run does (epoch e starts at numbering.first(e)),
     # so the ranks' shards are chosen at those positions, not where the staged epochs chain.
     numbering = EpochNumbering.of_run(root, src.path) if ranks is not None else None

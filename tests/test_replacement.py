@@ -290,6 +290,29 @@ def test_a_replacement_node_with_too_little_memory_is_one_line(windows, tmp_path
     assert res.exit_code == 1 and "--memory applies only to a replacement node" in res.output, res.output
 
 
+def test_a_replacement_node_refuses_another_runs_epoch_and_an_unlisted_one(windows, tmp_path):
+    """RUN's epoch 1 replaced by another --to-nodes run's (another seed): the replacement node
+    rebuilt that run's epoch 1 from the sources into a slice whose manifest names this run
+    (validate --against RUN: OK). An epoch RUN does not list was `FileNotFoundError ... check
+    the path`. Each is now one line before anything is written."""
+    _, _, run = windows
+    _, other = exchanged(tmp_path / "other", "--seed", 6)
+    mixed = tmp_path / "mixed"
+    shutil.copytree(run, mixed)
+    shutil.rmtree(mixed / epoch_dir_name(1))
+    shutil.copytree(other / epoch_dir_name(1), mixed / epoch_dir_name(1))
+    node = ["--node", f"1/{NODES}", "--ranks-per-node", str(K), "--micro-batch", str(M)]
+    for source, more, words in [
+        (mixed, [], ("epoch manifest belongs to another run", f"{epoch_dir_name(1)}/{MANIFEST} [seed]")),
+        (run, ["--epochs", "7"], ("epochs not in this run", "tokpack shuffle --like")),
+    ]:
+        dest = tmp_path / f"d{len(more)}"
+        res = CliRunner().invoke(main, ["stage", str(source), str(dest), *node, *more])
+        lines = [x for x in res.output.splitlines() if x.startswith("tokpack")]
+        assert res.exit_code == 1 and len(lines) == 1 and all(w in lines[0] for w in words), res.output
+        assert not list(dest.glob("epoch-*")) and not (dest / MANIFEST).exists()
+
+
 # ------------------------------------------------------------------ validate SLICE --against RUN, from the sources
 
 
