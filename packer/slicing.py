@@ -49,7 +49,7 @@ from tokpack.packer.rank_files import RankFiles, ready_epoch_dir
 from tokpack.packer.run_checks import epoch_of_run_error
 from tokpack.packer.shared import Result
 from tokpack.packer.stage_dest import epoch_in_place, local_dest, on_disk, previous_slice, small_json
-from tokpack.packer.stage_plan import Source, listed_epochs, slice_ranks
+from tokpack.packer.stage_plan import Source, listed_epochs, refuse_tokens_on_nodes, slice_ranks
 from tokpack.shuffle.packings import of_manifest
 
 # Rows gathered per step: three chunks in flight (read, verified, written), so memory stays near
@@ -301,6 +301,7 @@ def check_run_files(src: Source, epochs: list[int], row_bytes: int) -> None:
     for e in epochs:
         rel = epoch_dir_name(e)
         m = src.manifest(rel, kind=EPOCH)
+        refuse_tokens_on_nodes(src, rel, m)  # here, not in plan_slice: `plan stage --node` plans a replacement node
         for i, s in enumerate(m["shards"]):
             contained_shard(src.root / rel, s, i)
             if of_manifest(m).padded and not has_pad(s):  # found by tests/test_fuzz.py: staged as zero padding

@@ -14,13 +14,14 @@ from pathlib import Path
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io.paths import as_path
 from tokpack.formats.io.gate import contained, open_read, regular_size
-from tokpack.formats.constants import EPOCH, HOLDOUT_DIR, MANIFEST, MAX_EPOCHS, MAX_MANIFEST_BYTES, ROWS_SUFFIX, SOURCE
+from tokpack.formats.constants import EPOCH, HOLDOUT_DIR, MANIFEST, MAX_EPOCHS, MAX_MANIFEST_BYTES, NODES_SIDECAR
+from tokpack.formats.constants import ROWS_SUFFIX, SOURCE
 from tokpack.formats.names import epoch_dir_name
 from tokpack.formats.fields import upgrade
 from tokpack.formats.numbering import EpochNumbering, shuffle_command
 from tokpack.formats.packing import run_holdout
 from tokpack.formats.reading import parse_manifest, require_valid
-from tokpack.formats.shards import contained_shard, shard_files
+from tokpack.formats.shards import contained_shard, shard_files, tokens_on_nodes
 from tokpack.formats.token_check import ROWS, token_check
 from tokpack.formats.slices import RankRows
 from tokpack.formats.units import at_most, digits
@@ -140,6 +141,23 @@ class Source:
         manifest = parse_manifest(data, where, kind)
         require_valid(manifest, self.root / rel_dir if rel_dir else self.root)
         return (manifest, data) if raw else manifest
+
+
+def refuse_tokens_on_nodes(src: Source, rel: str, manifest: dict) -> None:
+    """One line for an epoch of a RUN of `shuffle --to-nodes`, whose token files are in the
+    nodes' slices (only its row hashes are here): a copy of it, or a slice cut from its token
+    files, found the first one "missing" and hinted to restore it; a node's slice is rebuilt
+    from the sources by `stage --node` (tokpack.packer.replacement)."""
+    if not tokens_on_nodes(src.root / rel if rel else src.root, manifest.get("shards") or []):
+        return
+    raise TokpackError(
+        "the epoch's token files are on the nodes: it was written by `shuffle --to-nodes`",
+        file=src.at(join_rel(rel, MANIFEST)),
+        expected="an epoch with its token files (.ds)",
+        found=f"its row hashes only (.ds.rows; the run's {NODES_SIDECAR} names the nodes' DEST)",
+        hint="rebuild a node's slice from the sources with `tokpack stage RUN DEST --node n/N --ranks-per-node K "
+        f"--micro-batch m` (K and m as in {NODES_SIDECAR}; no --start-sample), or copy a node's DEST",
+    )
 
 
 # ------------------------------------------------------------------------ arguments
@@ -464,6 +482,8 @@ def make_plan(src: Source, epochs=None, ranks=None, micro_batch: int = 1) -> tup
             expected=epochs,
             found=root.get("epoch"),
         )
+    if kind == EPOCH:
+        refuse_tokens_on_nodes(src, "", root)
     if kind in (SOURCE, EPOCH):  # one directory: a source's ranks are None (refused above)
         keep = _rank_keep(root, 0, _samples(root), ranks, micro_batch)
         return kind, [DirPlan("", root, *shard_jobs(root, "", keep, root=src.root))]
@@ -487,6 +507,7 @@ def make_plan(src: Source, epochs=None, ranks=None, micro_batch: int = 1) -> tup
         err = epoch_of_run_error(root, src.path, e, m, src.at(join_rel(epoch_dir_name(e), MANIFEST)))
         if err is not None:
             raise err
+        refuse_tokens_on_nodes(src, epoch_dir_name(e), m)
     # A reader of DEST numbers samples as the run does (epoch e starts at numbering.first(e)),
     # so the ranks' shards are chosen at those positions, not where the staged epochs chain.
     numbering = EpochNumbering.of_run(root, src.path) if ranks is not None else None
