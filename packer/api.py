@@ -502,6 +502,14 @@ def stage(
             start_sample=start_sample,
             **given,
         )
+    if start_sample:  # a copy's shards (--shards-of) are those of batches from sample 0: another start needs others
+        raise TokpackError(
+            "--start-sample applies only to a node slice",
+            where="--start-sample",
+            expected="a node slice (--ranks A-B --world-size W, or --node n/N)",
+            found=f"--start-sample {start_sample} with a copy of whole shards",
+            hint="give it with --ranks A-B --world-size W (or --node) to stage a slice for that batch grid, or leave it out",
+        )
     from tokpack.packer.staging import stage as stage_copy
 
     return stage_copy(str(directory), dest, **given)

@@ -379,6 +379,19 @@ def test_cli_stage_epochs_and_ranks(run_dir, tmp_path):
     assert r.exit_code == 1 and "bad --ranks" in r.output
 
 
+@pytest.mark.parametrize("selection", [[], ["--shards-of", "1/4", "--micro-batch", "5"]], ids=["whole", "shards-of"])
+def test_start_sample_without_a_node_slice_is_refused_not_ignored(run_dir, tmp_path, selection):
+    """--start-sample moves the batch grid, and with it the shards ranks r of W read: a
+    --shards-of copy ignored it (exit 0, the shards of the grid from 0), and the rank found a
+    shard absent when training resumed. Now one line before anything is written."""
+    run, _ = run_dir
+    r = CliRunner().invoke(main, ["stage", str(run), str(tmp_path / "d"), *selection, "--start-sample", "7", "--json"])
+    assert r.exit_code == 1, r.output
+    err = json.loads(r.output.splitlines()[0])["error"]  # the one object; the line on stderr follows
+    assert err["message"] == "--start-sample applies only to a node slice" and "--world-size" in err["hint"]
+    assert not (tmp_path / "d").exists()
+
+
 def test_unwritable_dest_is_one_clear_error(small_source, tmp_path):
     src, _ = small_source
     (tmp_path / "file").write_text("x")
