@@ -191,6 +191,9 @@ def check_run(path: Path, m: dict, rep: DirReport, quick: bool, plan: list["Dir"
             "every shard of the run",
             f"{len(absent)} shards absent, {next(iter(absent.values()))}",
             "partial stage: serves only the ranks it was staged for",
+            # by design, not damage: the default hint ("the data changed after it was written") sent users to restore it
+            hint="a `stage --shards-of r/W` copy holds the shards of those ranks only: train only those ranks on it, "
+            "or stage the run into it again without --shards-of to make it whole",
         )
     totals = [0, 0, 0]  # tokens, documents, readable epochs
     for e in epochs:

@@ -276,6 +276,8 @@ def test_stage_ranks_copies_only_their_shards(run_dir, tmp_path):
     # ...and says so in one line, while the shards it holds are still checked in full.
     assert [p["message"] for p in report["problems"]] == ["partial stage: serves only the ranks it was staged for"]
     assert f"{summary.shards_skipped} shards absent" in report["problems"][0]["found"]
+    # its hint names the partial stage, not damage ("the data changed after it was written; restore it")
+    assert "--shards-of" in report["problems"][0]["hint"] and "restore" not in report["problems"][0]["hint"]
     side = json.loads((dst / STAGE_SIDECAR).read_text())
     assert side["stages"] == [{"ranks": [3], "world_size": 5, "micro_batch": 8}]
     assert sum(len(v) for v in side["missing_shards"].values()) == summary.shards_skipped
