@@ -246,7 +246,7 @@ def epoch_of_run_error(m: dict, run_dir: str, e: int, em: dict, efile: str) -> T
         expected=expected,
         found=got,
         hint=f"the epoch was written by another run or edited: run `tokpack validate {run_dir}`, then restore "
-        f"the epoch or rewrite it with `{shuffle_command(m, run_dir, e)}`",
+        f"the epoch, or remove its folder and rewrite it with `{shuffle_command(m, run_dir, e)}`",
     )
 
 
