@@ -466,7 +466,7 @@ def stage(
     rebuilding the rank files of a share of its ranks within `memory // workers`."""
     from tokpack.packer.stage_plan import whole_shard_ranks
 
-    ranks = whole_shard_ranks(shards_of, ranks, world_size, node)
+    ranks = whole_shard_ranks(shards_of, ranks, world_size, node, start_sample)
     if node is not None and world_size is None and ranks is None and not start_sample:
         from tokpack.packer.replacement import exchanged_run, stage_replacement
 
@@ -501,14 +501,6 @@ def stage(
             ranks_per_node=ranks_per_node,
             start_sample=start_sample,
             **given,
-        )
-    if start_sample:  # a copy's shards (--shards-of) are those of batches from sample 0: another start needs others
-        raise TokpackError(
-            "--start-sample applies only to a node slice",
-            where="--start-sample",
-            expected="a node slice (--ranks A-B --world-size W, or --node n/N)",
-            found=f"--start-sample {start_sample} with a copy of whole shards",
-            hint="give it with --ranks A-B --world-size W (or --node) to stage a slice for that batch grid, or leave it out",
         )
     from tokpack.packer.staging import stage as stage_copy
 

@@ -237,10 +237,20 @@ def parse_ranks(spec, option: str = "--ranks") -> tuple[list[int], int] | None:
     return ranks, world
 
 
-def whole_shard_ranks(shards_of, ranks, world_size, node):
+def whole_shard_ranks(shards_of, ranks, world_size, node, start_sample: int = 0):
     """The `ranks` a whole-shard stage (staging.stage) is given: `shards_of` ('r/W') parsed, its
     errors naming --shards-of; else `ranks` as given (its old spelling, or a node slice's A-B).
-    `shards_of` with a node slice's options is refused: it copies whole shards, a slice rows."""
+    `shards_of` with a node slice's options is refused: it copies whole shards, a slice rows; so is
+    a `start_sample` without a node slice (stage and plan stage alike)."""
+    if start_sample and world_size is None and node is None:
+        # a copy's shards (--shards-of) are those of batches from sample 0: another start needs others
+        raise TokpackError(
+            "--start-sample applies only to a node slice",
+            where="--start-sample",
+            expected="a node slice (--ranks A-B --world-size W, or --node n/N)",
+            found=f"--start-sample {start_sample} with a copy of whole shards",
+            hint="give it with --ranks A-B --world-size W (or --node) to stage a slice for that batch grid, or leave it out",
+        )
     if shards_of is None:
         return ranks
     if ranks is not None or world_size is not None or node is not None:

@@ -392,6 +392,10 @@ def test_start_sample_without_a_node_slice_is_refused_not_ignored(run_dir, tmp_p
     err = json.loads(r.output.splitlines()[0])["error"]  # the one object; the line on stderr follows
     assert err["message"] == "--start-sample applies only to a node slice" and "--world-size" in err["hint"]
     assert not (tmp_path / "d").exists()
+    # plan stage says what stage would do: the same line
+    args = ["plan", "stage", str(run), str(tmp_path / "d"), *selection, "--start-sample", "7", "--disk-mbps", "100"]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 1 and "--start-sample applies only to a node slice" in r.output, r.output
 
 
 def test_unwritable_dest_is_one_clear_error(small_source, tmp_path):
