@@ -17,7 +17,7 @@ from tokpack.formats.names import epoch_dir_name
 from tokpack.formats.reading import partial_stage_absent
 from tokpack.formats.fields import type_ok
 from tokpack.formats.hashes import xxh3_128_file
-from tokpack.formats.numbering import EpochNumbering
+from tokpack.formats.numbering import EpochNumbering, shuffle_command
 from tokpack.formats.shard_scan import Problem
 from tokpack.formats.shards import tokens_on_nodes
 
@@ -175,6 +175,9 @@ def check_run(path: Path, m: dict, rep: DirReport, quick: bool, plan: list["Dir"
             "every shard of the run",
             f"{len(absent)} shards absent, {next(iter(absent.values()))}",
             "partial stage: serves only the ranks it was staged for",
+            # by design, not damage: the default hint ("the data changed after it was written") sent users to restore it
+            hint="a `stage --shards-of r/W` copy holds the shards of those ranks only: train only those ranks on it, "
+            "or stage the run into it again without --shards-of to make it whole",
         )
     totals = [0, 0, 0]  # tokens, documents, readable epochs
     for e in epochs:
@@ -206,6 +209,29 @@ def check_run(path: Path, m: dict, rep: DirReport, quick: bool, plan: list["Dir"
         for i, key in enumerate(("tokens", "fragments")):
             if type_ok(m.get(key), int) and m[key] != totals[i]:
                 rep.add(mfile, key, f"{totals[i]} (sum over its epochs)", m[key], f"run {key} count wrong")
+
+
+def epoch_of_run_error(m: dict, run_dir: str, e: int, em: dict, efile: str) -> TokpackError | None:
+    """The first way epoch e's manifest `em` disagrees with its run's `m`, as validate finds it
+    (its schedule aside), as one line; None when it agrees. A stage refuses such a run before
+    writing: an epoch reshuffled with another seed or sources, copied in or edited, staged beside
+    the run's other epochs, would be served as this run's."""
+    found = []
+    _check_epoch_of_run(
+        m, e, em, efile, None, EpochNumbering.of_run(m, run_dir), lambda *problem: found.append(problem)
+    )
+    if not found:
+        return None
+    file, where, expected, got, message = found[0]
+    return TokpackError(
+        message,
+        file=file,
+        where=where,
+        expected=expected,
+        found=got,
+        hint=f"the epoch was written by another run or edited: run `tokpack validate {run_dir}`, then restore "
+        f"the epoch, or remove its folder and rewrite it with `{shuffle_command(m, run_dir, e)}`",
+    )
 
 
 def _check_epoch_of_run(m: dict, e: int, em: dict, efile: str, sched, numbering: EpochNumbering, add) -> None:

@@ -40,15 +40,16 @@ from tokpack.formats.checks import row_bytes_of
 from tokpack.formats.constants import EPOCH, MANIFEST, PAD_DTYPE, PAD_SUFFIX, ROWS_SUFFIX, RUN, SLICE, U64
 from tokpack.formats.names import dtype_from_name, epoch_dir_name
 from tokpack.formats.hashes import hash_hex64, row_hashes
-from tokpack.formats.numbering import EpochNumbering, shuffle_command
+from tokpack.formats.numbering import EpochNumbering
 from tokpack.formats.outputs import EpochShardFormat, LocalOutput, Output, ShardWriter
 from tokpack.formats.shards import RowFacts, contained_shard, shard_files
 from tokpack.formats.slices import RankRows, run_identity, slice_epoch_manifest, slice_manifest
 
 from tokpack.packer.rank_files import RankFiles, ready_epoch_dir
+from tokpack.packer.run_checks import epoch_of_run_error
 from tokpack.packer.shared import Result
 from tokpack.packer.stage_dest import epoch_in_place, local_dest, on_disk, previous_slice, small_json
-from tokpack.packer.stage_plan import Source, parse_epochs, slice_ranks
+from tokpack.packer.stage_plan import Source, listed_epochs, refuse_tokens_on_nodes, slice_ranks
 from tokpack.shuffle.packings import of_manifest
 
 # Rows gathered per step: three chunks in flight (read, verified, written), so memory stays near
@@ -300,6 +301,7 @@ def check_run_files(src: Source, epochs: list[int], row_bytes: int) -> None:
     for e in epochs:
         rel = epoch_dir_name(e)
         m = src.manifest(rel, kind=EPOCH)
+        refuse_tokens_on_nodes(src, rel, m)  # here, not in plan_slice: `plan stage --node` plans a replacement node
         for i, s in enumerate(m["shards"]):
             contained_shard(src.root / rel, s, i)
             if of_manifest(m).padded and not has_pad(s):  # found by tests/test_fuzz.py: staged as zero padding
@@ -375,25 +377,15 @@ def plan_slice(
             hint="give the run directory (the one holding epoch-NNNNN/)",
         )
     numbering = EpochNumbering.of_run(run, src.path)
-    # complete epochs only: a run being shuffled lists those
-    available = sorted(int(e) for e in run.get("epochs") or [])
-    chosen = available if epochs is None else parse_epochs(epochs)
-    missing = [e for e in chosen if e not in available]
-    if missing:
-        raise TokpackError(
-            "epochs not in this run (yet)",
-            file=src.path,
-            where="epochs",
-            expected=f"some of {available}",
-            found=missing,
-            hint=f"write epoch {missing[0]} with `{shuffle_command(run, src.path, missing[0])}`"
-            " or stage the written ones",
-        )
+    chosen = listed_epochs(run, src.path, epochs)  # complete epochs only: a run being shuffled lists those
     row_bytes = row_bytes_of(run)
     kept, read, by_rows, written = {}, {}, {}, {}
     header = SLICE_HEADER_BYTES + len(canonical_bytes(run_identity(run)))
     for e in chosen:
         m = src.manifest(epoch_dir_name(e), kind=EPOCH)
+        err = epoch_of_run_error(run, src.path, e, m, src.at(f"{epoch_dir_name(e)}/{MANIFEST}"))
+        if err is not None:  # another run's epoch, sliced beside this run's, would be fed as this run's
+            raise err
         first, n = numbering.first(e), numbering.size(e)
         per_rank = [rows.rows(r, first, first + n) for r in range(a, b + 1)]
         kept[e] = sum(per_rank) * row_bytes

@@ -14,16 +14,18 @@ from pathlib import Path
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io.paths import as_path
 from tokpack.formats.io.gate import contained, open_read, regular_size
-from tokpack.formats.constants import EPOCH, HOLDOUT_DIR, MANIFEST, MAX_EPOCHS, MAX_MANIFEST_BYTES, ROWS_SUFFIX, SOURCE
+from tokpack.formats.constants import EPOCH, HOLDOUT_DIR, MANIFEST, MAX_EPOCHS, MAX_MANIFEST_BYTES, NODES_SIDECAR
+from tokpack.formats.constants import ROWS_SUFFIX, SOURCE
 from tokpack.formats.names import epoch_dir_name
 from tokpack.formats.fields import upgrade
 from tokpack.formats.numbering import EpochNumbering, shuffle_command
 from tokpack.formats.packing import run_holdout
 from tokpack.formats.reading import parse_manifest, require_valid
-from tokpack.formats.shards import contained_shard, shard_files
+from tokpack.formats.shards import contained_shard, shard_files, tokens_on_nodes
 from tokpack.formats.token_check import ROWS, token_check
 from tokpack.formats.slices import RankRows
 from tokpack.formats.units import at_most, digits
+from tokpack.packer.run_checks import epoch_of_run_error
 
 # Per-worker copy buffer. Large blocks keep a disk or an object store streaming; with a
 # handful of workers the memory stays at workers x STAGE_BLOCK.
@@ -141,6 +143,23 @@ class Source:
         return (manifest, data) if raw else manifest
 
 
+def refuse_tokens_on_nodes(src: Source, rel: str, manifest: dict) -> None:
+    """One line for an epoch of a RUN of `shuffle --to-nodes`, whose token files are in the
+    nodes' slices (only its row hashes are here): a copy of it, or a slice cut from its token
+    files, found the first one "missing" and hinted to restore it; a node's slice is rebuilt
+    from the sources by `stage --node` (tokpack.packer.replacement)."""
+    if not tokens_on_nodes(src.root / rel if rel else src.root, manifest.get("shards") or []):
+        return
+    raise TokpackError(
+        "the epoch's token files are on the nodes: it was written by `shuffle --to-nodes`",
+        file=src.at(join_rel(rel, MANIFEST)),
+        expected="an epoch with its token files (.ds)",
+        found=f"its row hashes only (.ds.rows; the run's {NODES_SIDECAR} names the nodes' DEST)",
+        hint="rebuild a node's slice from the sources with `tokpack stage RUN DEST --node n/N --ranks-per-node K "
+        f"--micro-batch m` (K and m as in {NODES_SIDECAR}; no --start-sample), or copy a node's DEST",
+    )
+
+
 # ------------------------------------------------------------------------ arguments
 
 # The largest W of --shards-of r/W: bigger than any cluster, small enough that a list of ranks fits in memory.
@@ -218,10 +237,20 @@ def parse_ranks(spec, option: str = "--ranks") -> tuple[list[int], int] | None:
     return ranks, world
 
 
-def whole_shard_ranks(shards_of, ranks, world_size, node):
+def whole_shard_ranks(shards_of, ranks, world_size, node, start_sample: int = 0):
     """The `ranks` a whole-shard stage (staging.stage) is given: `shards_of` ('r/W') parsed, its
     errors naming --shards-of; else `ranks` as given (its old spelling, or a node slice's A-B).
-    `shards_of` with a node slice's options is refused: it copies whole shards, a slice rows."""
+    `shards_of` with a node slice's options is refused: it copies whole shards, a slice rows; so is
+    a `start_sample` without a node slice (stage and plan stage alike)."""
+    if start_sample and world_size is None and node is None:
+        # a copy's shards (--shards-of) are those of batches from sample 0: another start needs others
+        raise TokpackError(
+            "--start-sample applies only to a node slice",
+            where="--start-sample",
+            expected="a node slice (--ranks A-B --world-size W, or --node n/N)",
+            found=f"--start-sample {start_sample} with a copy of whole shards",
+            hint="give it with --ranks A-B --world-size W (or --node) to stage a slice for that batch grid, or leave it out",
+        )
     if shards_of is None:
         return ranks
     if ranks is not None or world_size is not None or node is not None:
@@ -249,6 +278,26 @@ def shards_for_ranks(
         out.append(n <= 0 or (stop > start and rows.reads_any(ranks, start, stop)))
         start += n
     return out
+
+
+def listed_epochs(run: dict, run_dir: str, epochs=None) -> list[int]:
+    """The epochs a slice of `run` stages: `epochs` ('0,1', '0-3'; None: all), each one the run's
+    manifest lists (a run being shuffled lists its complete ones only), or one line naming the
+    command that writes the first missing."""
+    available = sorted(int(e) for e in run.get("epochs") or [])
+    chosen = available if epochs is None else parse_epochs(epochs)
+    missing = [e for e in chosen if e not in available]
+    if missing:
+        raise TokpackError(
+            "epochs not in this run (yet)",
+            file=run_dir,
+            where="epochs",
+            expected=f"some of {available}",
+            found=missing,
+            hint=f"write epoch {missing[0]} with `{shuffle_command(run, run_dir, missing[0])}`"
+            " or stage the written ones",
+        )
+    return chosen
 
 
 # Ranks one node slice holds: each is a file written at once during a stage, so the bound is the
@@ -443,6 +492,8 @@ def make_plan(src: Source, epochs=None, ranks=None, micro_batch: int = 1) -> tup
             expected=epochs,
             found=root.get("epoch"),
         )
+    if kind == EPOCH:
+        refuse_tokens_on_nodes(src, "", root)
     if kind in (SOURCE, EPOCH):  # one directory: a source's ranks are None (refused above)
         keep = _rank_keep(root, 0, _samples(root), ranks, micro_batch)
         return kind, [DirPlan("", root, *shard_jobs(root, "", keep, root=src.root))]
@@ -462,6 +513,11 @@ def make_plan(src: Source, epochs=None, ranks=None, micro_batch: int = 1) -> tup
             + " or pick others",
         )
     manifests = [src.manifest(epoch_dir_name(e), kind=EPOCH) for e in chosen]
+    for e, m in zip(chosen, manifests):  # each epoch this run's, as validate checks it: never another run's copied
+        err = epoch_of_run_error(root, src.path, e, m, src.at(join_rel(epoch_dir_name(e), MANIFEST)))
+        if err is not None:
+            raise err
+        refuse_tokens_on_nodes(src, epoch_dir_name(e), m)
     # A reader of DEST numbers samples as the run does (epoch e starts at numbering.first(e)),
     # so the ranks' shards are chosen at those positions, not where the staged epochs chain.
     numbering = EpochNumbering.of_run(root, src.path) if ranks is not None else None

@@ -357,6 +357,16 @@ def stage(
     kind, plans = make_plan(src, epochs, ranks, micro_batch)
     if dest.exists() and not dest.is_dir():
         raise TokpackError("DEST exists and is not a directory", file=dest, hint="choose a directory path")
+    if src.local_root is not None and dest.is_dir() and os.path.samefile(src.local_root, dest):
+        # Its files would be "in place", and its manifests rewritten as the copy's: with --epochs
+        # the run's own manifest would list only the epochs staged, dropping the others.
+        raise TokpackError(
+            "DEST is the directory being staged",
+            file=dest,
+            expected="another folder (on the node's local disk)",
+            found=f"the folder of {src.path}",
+            hint="choose another DEST; a stage copies DIR, it never rewrites DIR itself",
+        )
     check_dest(dest, kind, plans)
     output: Output = LocalOutput()  # DEST is a local path (checked above): what is copied there is the copy
     check_space(

@@ -290,6 +290,56 @@ def test_a_replacement_node_with_too_little_memory_is_one_line(windows, tmp_path
     assert res.exit_code == 1 and "--memory applies only to a replacement node" in res.output, res.output
 
 
+def test_a_replacement_node_refuses_another_runs_epoch_and_an_unlisted_one(windows, tmp_path):
+    """RUN's epoch 1 replaced by another --to-nodes run's (another seed): the replacement node
+    rebuilt that run's epoch 1 from the sources into a slice whose manifest names this run
+    (validate --against RUN: OK). An epoch RUN does not list was `FileNotFoundError ... check
+    the path`. Each is now one line before anything is written."""
+    _, _, run = windows
+    _, other = exchanged(tmp_path / "other", "--seed", 6)
+    mixed = tmp_path / "mixed"
+    shutil.copytree(run, mixed)
+    shutil.rmtree(mixed / epoch_dir_name(1))
+    shutil.copytree(other / epoch_dir_name(1), mixed / epoch_dir_name(1))
+    node = ["--node", f"1/{NODES}", "--ranks-per-node", str(K), "--micro-batch", str(M)]
+    for source, more, words in [
+        (mixed, [], ("epoch manifest belongs to another run", f"{epoch_dir_name(1)}/{MANIFEST} [seed]")),
+        (run, ["--epochs", "7"], ("epochs not in this run", "tokpack shuffle --like")),
+    ]:
+        dest = tmp_path / f"d{len(more)}"
+        res = CliRunner().invoke(main, ["stage", str(source), str(dest), *node, *more])
+        lines = [x for x in res.output.splitlines() if x.startswith("tokpack")]
+        assert res.exit_code == 1 and len(lines) == 1 and all(w in lines[0] for w in words), res.output
+        assert not list(dest.glob("epoch-*")) and not (dest / MANIFEST).exists()
+
+
+def test_a_copy_or_a_slice_cut_from_token_files_of_a_run_on_the_nodes_is_one_line_naming_the_node_stage(
+    windows, tmp_path
+):
+    """A RUN of --to-nodes holds row hashes, its tokens on the nodes: a whole-run copy, --shards-of,
+    --ranks/--world-size, an epoch alone and --node with --start-sample (not a replacement node)
+    each said "file listed in the manifest is missing ... restore it", the copy after making
+    DEST's epoch folders. Now one line saying where the tokens are and the --node stage that
+    rebuilds a node's slice; DEST not made."""
+    _, _, run = windows
+    node = ["--node", f"1/{NODES}", "--ranks-per-node", str(K), "--micro-batch", str(M)]
+    for i, (source, more) in enumerate(
+        [
+            (run, []),
+            (run, ["--shards-of", "0/8", "--micro-batch", str(M)]),
+            (run, ["--ranks", "0-1", "--world-size", "8", "--micro-batch", str(M)]),
+            (run, [*node, "--start-sample", "3"]),
+            (run / epoch_dir_name(0), []),
+        ]
+    ):
+        dest = tmp_path / f"d{i}"
+        res = CliRunner().invoke(main, ["stage", str(source), str(dest), *more])
+        lines = [x for x in res.output.splitlines() if x.startswith("tokpack")]
+        assert res.exit_code == 1 and len(lines) == 1, res.output
+        assert "token files are on the nodes" in lines[0] and "--node n/N" in lines[0], lines[0]
+        assert not dest.exists(), sorted(dest.rglob("*"))
+
+
 # ------------------------------------------------------------------ validate SLICE --against RUN, from the sources
 
 

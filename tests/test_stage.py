@@ -276,6 +276,8 @@ def test_stage_ranks_copies_only_their_shards(run_dir, tmp_path):
     # ...and says so in one line, while the shards it holds are still checked in full.
     assert [p["message"] for p in report["problems"]] == ["partial stage: serves only the ranks it was staged for"]
     assert f"{summary.shards_skipped} shards absent" in report["problems"][0]["found"]
+    # its hint names the partial stage, not damage ("the data changed after it was written; restore it")
+    assert "--shards-of" in report["problems"][0]["hint"] and "restore" not in report["problems"][0]["hint"]
     side = json.loads((dst / STAGE_SIDECAR).read_text())
     assert side["stages"] == [{"ranks": [3], "world_size": 5, "micro_batch": 8}]
     assert sum(len(v) for v in side["missing_shards"].values()) == summary.shards_skipped
@@ -377,6 +379,23 @@ def test_cli_stage_epochs_and_ranks(run_dir, tmp_path):
     assert out["epochs"] == [1] and out["partial"] and out["ranks"] == [1] and out["world_size"] == 4
     r = CliRunner().invoke(main, ["stage", str(run), str(tmp_path / "d2"), "--ranks", "4/4"])
     assert r.exit_code == 1 and "bad --ranks" in r.output
+
+
+@pytest.mark.parametrize("selection", [[], ["--shards-of", "1/4", "--micro-batch", "5"]], ids=["whole", "shards-of"])
+def test_start_sample_without_a_node_slice_is_refused_not_ignored(run_dir, tmp_path, selection):
+    """--start-sample moves the batch grid, and with it the shards ranks r of W read: a
+    --shards-of copy ignored it (exit 0, the shards of the grid from 0), and the rank found a
+    shard absent when training resumed. Now one line before anything is written."""
+    run, _ = run_dir
+    r = CliRunner().invoke(main, ["stage", str(run), str(tmp_path / "d"), *selection, "--start-sample", "7", "--json"])
+    assert r.exit_code == 1, r.output
+    err = json.loads(r.output.splitlines()[0])["error"]  # the one object; the line on stderr follows
+    assert err["message"] == "--start-sample applies only to a node slice" and "--world-size" in err["hint"]
+    assert not (tmp_path / "d").exists()
+    # plan stage says what stage would do: the same line
+    args = ["plan", "stage", str(run), str(tmp_path / "d"), *selection, "--start-sample", "7", "--disk-mbps", "100"]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 1 and "--start-sample applies only to a node slice" in r.output, r.output
 
 
 def test_unwritable_dest_is_one_clear_error(small_source, tmp_path):

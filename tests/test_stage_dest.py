@@ -222,6 +222,37 @@ def test_a_node_slice_into_a_slice_of_another_run_or_other_ranks_is_refused(runs
     refused(slice_args(runs["run"], dest), dest, "other ranks", "rank-00002.ds")
 
 
+def test_a_run_holding_another_runs_epoch_is_refused_by_every_stage(runs, tmp_path):
+    """RUN's epoch 1 replaced by another run's (another seed; validate calls RUN CORRUPT): a
+    whole-run copy, a --shards-of copy and a node slice each staged it beside this run's epoch 0,
+    and a slice staged before took it as this run's epoch 1, rewritten (validate --against RUN
+    said OK). Each now refuses RUN in one line before writing, naming the epoch's manifest."""
+    mixed = copy_of(runs["run"], tmp_path / "mixed")
+    shutil.rmtree(mixed / epoch_dir_name(1))
+    shutil.copytree(runs["other"] / epoch_dir_name(1), mixed / epoch_dir_name(1))
+    where = f"{epoch_dir_name(1)}/{MANIFEST}"
+    for i, sel in enumerate(
+        [[], ["--epochs", "1"], ["--shards-of", "0/4", "--micro-batch", M], slice_args(mixed, "x", "node")[3:]]
+    ):
+        refused(["stage", mixed, tmp_path / f"d{i}", *sel], tmp_path / f"d{i}", "another run", where, "seed")
+        assert not (tmp_path / f"d{i}").exists() or not any((tmp_path / f"d{i}").iterdir())
+    # RUN changed between two stages of one slice: the slice is left as it was
+    dest = copy_of(runs["slice01"], tmp_path / "slice")
+    refused(slice_args(mixed, dest, "node"), dest, "another run", where)
+
+
+@pytest.mark.parametrize("selection", [[], ["--epochs", "0"]])
+def test_a_stage_into_the_directory_it_stages_is_refused(runs, tmp_path, selection):
+    """DEST the run itself (or a link to it): every file was "in place", and the run's own
+    manifests were rewritten as the copy's: with --epochs 0 the run listed epoch 0 alone,
+    its epoch 1 dropped (validate: INCOMPLETE, a reader never fed it)."""
+    run = copy_of(runs["run"], tmp_path / "run")
+    (tmp_path / "link").symlink_to(run)
+    for dest in (run, tmp_path / "link"):
+        refused(["stage", run, dest, *selection], run, "DEST is the directory being staged")
+    assert tree(run) == tree(runs["run"])
+
+
 # ------------------------------------------------------------------ its own copy: restaged, resumed
 
 
