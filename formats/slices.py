@@ -25,7 +25,7 @@ from .errors import TokpackError
 from .io.gate import contained
 import xxhash
 
-from .constants import MANIFEST, SLICE, SLICE_EPOCH
+from .constants import MANIFEST, RUN_KEYS, SLICE, SLICE_EPOCH
 from .names import epoch_dir_name
 from .packing import has_pad, rows_padded
 from .builders import header_like
@@ -47,6 +47,49 @@ def rank_file_name(rank: int) -> str:
 def run_identity(run: dict) -> dict:
     """What a slice records of its run: every field but those that grow as epochs are written."""
     return {k: v for k, v in run.items() if k not in RUN_SELECTION_KEYS}
+
+
+def source_keys(sources: list) -> list:
+    """What identifies a run's or epoch's sources: their fingerprints in order."""
+    return [s.get("fingerprint") if isinstance(s, dict) else s for s in sources]
+
+
+def epoch_disagreements(run: dict, e: int, em: dict) -> Iterator[tuple[str, object, object, str]]:
+    """Each way epoch e's manifest `em` says it is not its `run`'s (where, expected, found,
+    message): the settings both record (RUN_KEYS; a schedule's epochs differ in size), its
+    sources' fields and weights, its number, its sources' fingerprints. `validate` reports them
+    all; `stage` and the reader refuse the first: an epoch of another run (another seed or
+    sources) put in a run's place has the run's shape but other samples."""
+    scheduled = "schedule" in run
+    for key in RUN_KEYS:
+        if key in run and key in em and em[key] != run[key] and not (key == "samples" and scheduled):
+            yield key, f"{run[key]!r} (the run's)", repr(em[key]), "epoch manifest belongs to another run"
+    ours = run.get("sources") if isinstance(run.get("sources"), list) else []
+    theirs = em.get("sources") if isinstance(em.get("sources"), list) else []
+    if len(theirs) == len(ours):
+        weights = run.get("weights")
+        for i, (a, b) in enumerate(zip(ours, theirs)):
+            if not (isinstance(a, dict) and isinstance(b, dict)):
+                continue
+            for key in sorted(a.keys() & b.keys() - ({"weight"} if scheduled else set())):
+                if a[key] != b[key]:
+                    yield (
+                        f"sources[{i}].{key}",
+                        f"{a[key]!r} (the run's)",
+                        repr(b[key]),
+                        "epoch source differs from the run's",
+                    )
+            if isinstance(weights, list) and i < len(weights) and "weight" in b and weights[i] != b["weight"]:
+                yield f"sources[{i}].weight", repr(weights[i]), repr(b["weight"]), "epoch weight differs from the run's"
+    if em.get("epoch") != e:
+        yield "epoch", e, em.get("epoch"), "epoch manifest belongs to another epoch"
+    if isinstance(em.get("sources"), list) and source_keys(em["sources"]) != source_keys(ours):
+        yield (
+            "sources",
+            source_keys(ours),
+            source_keys(em["sources"]),
+            "epoch was shuffled from other sources than its run",
+        )
 
 
 def run_digest(run: dict) -> int:

@@ -44,7 +44,7 @@ from tokpack.formats.constants import EPOCH, MANIFEST, NODES_SIDECAR, RUN, RUN_K
 from tokpack.formats.reading import partial_stage_absent, read_manifest, strict_json
 from tokpack.formats.numbering import EpochNumbering, shuffle_command
 from tokpack.formats.shards import row_segments
-from tokpack.formats.slices import RankRows, contained_epoch_dir, run_digest
+from tokpack.formats.slices import RankRows, contained_epoch_dir, epoch_disagreements, run_digest
 from tokpack.formats.units import counted
 
 from .assembly import (  # noqa: F401 -- re-exported: tests, docs and users import them from here
@@ -192,7 +192,7 @@ class SampleReader(ShardFiles):
                         expected=manifest["seq_len"],
                         found=m.get("seq_len"),
                     )
-                _epoch_of_run(d, m, manifest)
+                _epoch_of_run(d, e, m, manifest)
                 if numbering is not None and not (numbering.has(e) and int(m.get("samples", -1)) == numbering.size(e)):
                     raise TokpackError(
                         "epoch size differs from its run's",
@@ -588,33 +588,23 @@ class RankStream:
         return rows, r.index_positions(g, m)
 
 
-def _epoch_of_run(d: Path, m: dict, run: dict) -> None:
+def _epoch_of_run(d: Path, e: int, m: dict, run: dict) -> None:
     """An epoch of another run put in a run's place (reshuffled with another seed, of other
-    sources) has the run's shape but other samples: refused at open, on the fields validate
-    compares (RUN_KEYS, the sources' fingerprints in order), where both manifests record them.
-    An epoch's size is the numbering's check (a schedule's epochs differ in size)."""
-    for key in RUN_KEYS:
-        if key != "samples" and key in run and key in m and m[key] != run[key]:
-            raise TokpackError(
-                "epoch manifest belongs to another run",
-                file=d / MANIFEST,
-                where=key,
-                expected=f"{run[key]!r} (the run's)",
-                found=repr(m[key]),
-                hint="the epoch was replaced or belongs elsewhere; run `tokpack validate` on the run",
-            )
-    ours, theirs = run.get("sources"), m.get("sources")
-    if isinstance(ours, list) and isinstance(theirs, list) and len(ours) == len(theirs):
-        for i, (a, b) in enumerate(zip(ours, theirs)):
-            if isinstance(a, dict) and isinstance(b, dict) and a.get("fingerprint") != b.get("fingerprint"):
-                raise TokpackError(
-                    "epoch source differs from the run's",
-                    file=d / MANIFEST,
-                    where=f"sources[{i}].fingerprint",
-                    expected=f"{a.get('fingerprint')!r} (the run's)",
-                    found=repr(b.get("fingerprint")),
-                    hint="the epoch was replaced or belongs elsewhere; run `tokpack validate` on the run",
-                )
+    sources) has the run's shape but other samples: refused at open, at the first setting or
+    source fingerprint where validate finds it is not the run's (formats.slices.
+    epoch_disagreements). Its size is the numbering's check (a schedule's epochs differ in size);
+    the other fields validate compares name no other samples."""
+    for where, expected, found, message in epoch_disagreements(run, e, m):
+        if where == "samples" or where not in RUN_KEYS and not where.endswith(".fingerprint"):
+            continue
+        raise TokpackError(
+            message,
+            file=d / MANIFEST,
+            where=where,
+            expected=expected,
+            found=found,
+            hint="the epoch was replaced or belongs elsewhere; run `tokpack validate` on the run",
+        )
 
 
 def _nodes_dest(sidecar: Path) -> str:

@@ -12,7 +12,7 @@ from pathlib import Path
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io.gate import contained
 from tokpack.formats.checks import chain_start, EPOCH_DIR, check_manifest
-from tokpack.formats.constants import EPOCH, HOLDOUT_DIR, MANIFEST, RUN_KEYS, STAGE_SIDECAR
+from tokpack.formats.constants import EPOCH, HOLDOUT_DIR, MANIFEST, STAGE_SIDECAR
 from tokpack.formats.names import epoch_dir_name
 from tokpack.formats.reading import partial_stage_absent
 from tokpack.formats.fields import type_ok
@@ -20,13 +20,9 @@ from tokpack.formats.hashes import xxh3_128_file
 from tokpack.formats.numbering import EpochNumbering, shuffle_command
 from tokpack.formats.shard_scan import Problem
 from tokpack.formats.shards import tokens_on_nodes
+from tokpack.formats.slices import epoch_disagreements
 
 from .dir_checks import Dir, DirReport, check_row_hashes, plan_dir
-
-
-def _source_keys(sources: list) -> list:
-    """What identifies a run's or epoch's sources: their fingerprints in order."""
-    return [s.get("fingerprint") if isinstance(s, dict) else s for s in sources]
 
 
 def _scheduled_epochs(path: Path, m: dict, rep: DirReport) -> list[dict] | None:
@@ -250,42 +246,5 @@ def _check_epoch_of_run(m: dict, e: int, em: dict, efile: str, sched, numbering:
             em.get("samples"),
             "epoch size differs from its run's",
         )
-    for key in RUN_KEYS:
-        if key in m and key in em and em[key] != m[key] and not (key == "samples" and "schedule" in m):
-            add(efile, key, f"{m[key]!r} (the run's)", repr(em[key]), "epoch manifest belongs to another run")
-    esrc = em.get("sources") if isinstance(em.get("sources"), list) else []
-    if len(esrc) == len(m["sources"]):
-        for i, (a, b) in enumerate(zip(m["sources"], esrc)):
-            if isinstance(a, dict) and isinstance(b, dict):
-                for key in sorted(a.keys() & b.keys() - ({"weight"} if "schedule" in m else set())):
-                    if a[key] != b[key]:
-                        add(
-                            efile,
-                            f"sources[{i}].{key}",
-                            f"{a[key]!r} (the run's)",
-                            repr(b[key]),
-                            "epoch source differs from the run's",
-                        )
-                if (
-                    isinstance(m.get("weights"), list)
-                    and i < len(m["weights"])
-                    and "weight" in b
-                    and m["weights"][i] != b["weight"]
-                ):
-                    add(
-                        efile,
-                        f"sources[{i}].weight",
-                        repr(m["weights"][i]),
-                        repr(b["weight"]),
-                        "epoch weight differs from the run's",
-                    )
-    if em.get("epoch") != e:
-        add(efile, "epoch", e, em.get("epoch"), "epoch manifest belongs to another epoch")
-    if isinstance(em.get("sources"), list) and _source_keys(em["sources"]) != _source_keys(m["sources"]):
-        add(
-            efile,
-            "sources",
-            _source_keys(m["sources"]),
-            _source_keys(em["sources"]),
-            "epoch was shuffled from other sources than its run",
-        )
+    for where, expected, found, message in epoch_disagreements(m, e, em):
+        add(efile, where, expected, found, message)
