@@ -92,6 +92,25 @@ def _output_state(out: Path, request: dict, overwrite: bool) -> str:
     return "replace"
 
 
+def _refuse_inputs_inside(files: list[InputFile], out) -> None:
+    """An input inside OUT (a glob over an old pack's shards: `pack out/*.ds -o out`) is a file
+    pack would replace or delete (--overwrite, a finished pack's renames): refused, so a user's
+    tokens are never lost to their own pack. Sidecars (.ds.index, .idx) sit beside their file."""
+    if not isinstance(out, Path):
+        return  # a bucket: no local input lies in it
+    where = Path(os.path.realpath(out))
+    for f in files:
+        if not is_url(f.path) and Path(os.path.realpath(f.path)).is_relative_to(where):
+            raise TokpackError(
+                "an input lies inside the output directory",
+                file=f.path,
+                where="INPUT",
+                expected="inputs outside -o",
+                found=f"inside {out}",
+                hint="choose another -o; packing into the inputs' own folder would replace or delete them",
+            )
+
+
 def clear_output(out: Path) -> None:
     for p in out.iterdir():
         if p.name == LOCK_NAME or not _is_ours(p):
@@ -231,6 +250,7 @@ def setup_pack(
         f"tokpack pack: detected format {fmt}: {counted(len(files), 'file')}, "
         f"{', '.join(sorted({f.format + (' ' + f.dtype if f.dtype else '') for f in files}))}"
     )
+    _refuse_inputs_inside(files, to.where(out))
     request = {
         "inputs": [
             {"path": f.path if is_url(f.path) else str(Path(f.path).absolute()), "size": f.size, "format": f.format}

@@ -1672,3 +1672,24 @@ def test_a_hub_tokenizer_in_datatrove_metadata_is_named_in_the_eos_error(tmp_pat
         "HINT: pass --eos-id N, the end-of-document id of meta-llama/Meta-Llama-3-8B" in line and "--tokenizer" in line
     )
     assert not (tmp_path / "a").exists()
+
+
+def test_inputs_inside_the_output_are_refused_and_kept(tmp_path):
+    """`pack out/*.ds -o out --overwrite` (a glob over an old pack's own shards) deleted the old
+    pack, its inputs, then failed on the missing files: every token lost. An input inside -o is
+    refused before anything is written or deleted, through a symlink too."""
+    np.array([3, 4, 0, 5, 6, 7, 0], dtype=np.uint16).tofile(tmp_path / "x.tok")
+    opts = ["--dtype", "uint16", "--eos-id", "0", "--vocab-size", "10"]
+    out = tmp_path / "out"
+    assert cli(tmp_path / "x.tok", "-o", out, *opts).exit_code == 0
+    before = tree_bytes(out)
+    (tmp_path / "via").symlink_to(out)
+    for shards in ([out / "00000.ds"], [tmp_path / "via" / "00000.ds"]):
+        for extra in ([], ["--overwrite"]):
+            res = cli(*shards, "-o", out, "--shard-tokens", 3, *extra)
+            line = one_error_line(res)
+            assert "00000.ds [INPUT]: an input lies inside the output directory" in line, line
+            assert tree_bytes(out) == before
+    res = CliRunner().invoke(main, ["pack", str(out / "00000.ds"), "-o", str(out), "--overwrite", "--json"])
+    assert res.exit_code == 1 and json.loads(res.stdout)["ok"] is False and tree_bytes(out) == before
+    assert cli(out / "00000.ds", "-o", tmp_path / "elsewhere", "--eos-id", 0, "--vocab-size", 10).exit_code == 0
