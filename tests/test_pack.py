@@ -1693,3 +1693,43 @@ def test_inputs_inside_the_output_are_refused_and_kept(tmp_path):
     res = CliRunner().invoke(main, ["pack", str(out / "00000.ds"), "-o", str(out), "--overwrite", "--json"])
     assert res.exit_code == 1 and json.loads(res.stdout)["ok"] is False and tree_bytes(out) == before
     assert cli(out / "00000.ds", "-o", tmp_path / "elsewhere", "--eos-id", 0, "--vocab-size", 10).exit_code == 0
+
+
+def write_datatrove(ds: Path, docs: list[list[int]]) -> None:
+    """A uint16 datatrove file `ds` (with its index and metadata) holding `docs`."""
+    ds.parent.mkdir(parents=True, exist_ok=True)
+    np.array([t for d in docs for t in d], dtype="<u2").tofile(ds)
+    np.cumsum([len(d) for d in docs]).astype("<u8").tofile(f"{ds}.index")
+    Path(f"{ds}.metadata").write_text(f"tok|2\n{sum(map(len, docs))}")
+
+
+@pytest.mark.parametrize("link", [False, True])
+def test_an_input_rewritten_in_place_between_a_kill_and_its_rerun_is_packed_again(tmp_path, monkeypatch, link):
+    """A pack killed after input 0's part, input 0 then rewritten in place at its size (the request
+    records sizes only), resumed: the rerun kept input 0's old part, a packed source of tokens no
+    input holds any more. The part is packed again: the output is a fresh pack's of the new inputs."""
+    folder = tmp_path / "in"
+    for i in range(3):
+        write_datatrove(folder / f"f{i}.ds", [[i + 1, 5, 0], [7, 8, 9, 0]])
+    opts = {"eos_id": 0, "vocab_size": 20, "link": link}
+    real = packing.PackStep.pack_file
+
+    def dies_on_file_2(self, i):
+        if i == 2:
+            raise KeyboardInterrupt
+        return real(self, i)
+
+    monkeypatch.setattr(packing.PackStep, "pack_file", dies_on_file_2)
+    with pytest.raises(KeyboardInterrupt):
+        pack([str(folder)], str(tmp_path / "out"), **opts)
+    assert (tmp_path / "out" / ".tokpack-work" / "part-00000.json").exists()
+    monkeypatch.setattr(packing.PackStep, "pack_file", real)
+    ds = folder / "f0.ds"
+    size = ds.stat().st_size
+    with open(ds, "r+b") as fh:  # in place, as datatrove's "wb" rerun or dd conv=notrunc does
+        fh.write(np.array([4, 6, 0, 3, 8, 9, 0], dtype="<u2").tobytes())
+    assert ds.stat().st_size == size
+    pack([str(folder)], str(tmp_path / "out"), **opts)
+    pack([str(folder)], str(tmp_path / "fresh"), **opts)
+    assert packed_docs(tmp_path / "out")[:2] == [[4, 6, 0], [3, 8, 9, 0]]
+    assert tree_bytes(tmp_path / "out") == tree_bytes(tmp_path / "fresh")
