@@ -936,6 +936,17 @@ def bad_index_last(c, t):
     return [d]
 
 
+def bad_cut_at_a_document(c, t):
+    """.ds and .ds.index cut short at one document's end (a copy stopped short): they agree; only
+    the count datatrove's .ds.metadata records shows the lost tokens."""
+    d = copy_dt(c, t)
+    ds = first_ds(d)
+    ends = np.fromfile(f"{ds}.index", dtype="<u8")[:3]
+    ends.tofile(f"{ds}.index")
+    np.fromfile(ds, dtype="<u2")[: int(ends[-1])].tofile(ds)
+    return [d]
+
+
 def bad_megatron_magic(c, t):
     p = megatron_pair(t)
     b = bytearray(p.with_suffix(".idx").read_bytes())
@@ -1157,6 +1168,7 @@ BAD = [
     bad_index_repeated,
     bad_index_huge,
     bad_index_last,
+    bad_cut_at_a_document,
     bad_megatron_magic,
     bad_megatron_version,
     bad_megatron_dtype,
@@ -1201,6 +1213,11 @@ WHAT = {
     "bad_index_repeated": ["does not increase", "entry 3"],
     "bad_index_huge": ["does not increase", "[entry 2]", f"found {2**64 - 5}"],
     "bad_index_last": ["last entry differs"],
+    "bad_cut_at_a_document": [
+        ".ds [tokens]: .ds token count differs from its .ds.metadata; expected ",
+        ".ds.metadata), found ",
+        "HINT: the .ds and its .ds.index are truncated",
+    ],
     "bad_megatron_magic": [
         "m.idx [byte 0]: not a Megatron index: wrong magic; expected b'MMIDIDX\\x00\\x00', found "
         "b'XXXDIDX\\x00\\x00'. HINT: pass the .idx written with the .bin (Megatron's MMIDIDX format)"
