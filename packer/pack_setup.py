@@ -61,6 +61,16 @@ def _output_state(out: Path, request: dict, overwrite: bool) -> str:
             found=", ".join(sorted(others)[:5]),
             hint="choose another -o; --overwrite only replaces tokpack output, never other files",
         )
+    if not (out / MANIFEST).exists() and not (out / WORK_DIR).exists():
+        # shard-named files with neither marker: no state a pack leaves (clear_output deletes the
+        # markers last), so nothing says they are tokpack's; --overwrite must not delete them
+        raise TokpackError(
+            "output directory holds shard-named files but no tokpack.json and no unfinished pack",
+            file=out,
+            expected="an empty or tokpack directory",
+            found=", ".join(sorted(p.name for p in entries)[:5]),
+            hint="choose another -o; if they are an old pack's, delete them yourself",
+        )
     if (out / MANIFEST).exists():
         with suppress(TokpackError):  # a damaged pack is not complete
             if read_manifest(out, kind=SOURCE).get("request") == request:
@@ -112,7 +122,9 @@ def _refuse_inputs_inside(files: list[InputFile], out) -> None:
 
 
 def clear_output(out: Path) -> None:
-    for p in out.iterdir():
+    # the markers (tokpack.json, the work folder) go last: a run killed here leaves OUT still
+    # known as tokpack's, which a rerun with --overwrite clears (_output_state)
+    for p in sorted(out.iterdir(), key=lambda p: p.name in (MANIFEST, WORK_DIR)):
         if p.name == LOCK_NAME or not _is_ours(p):
             continue  # this command's own lock; what pack did not write (_output_state refused it)
         if p.is_dir():

@@ -1750,3 +1750,40 @@ def test_an_input_rewritten_in_place_between_a_kill_and_its_rerun_is_packed_agai
     pack([str(folder)], str(tmp_path / "fresh"), **opts)
     assert packed_docs(tmp_path / "out")[:2] == [[4, 6, 0], [3, 8, 9, 0]]
     assert tree_bytes(tmp_path / "out") == tree_bytes(tmp_path / "fresh")
+
+
+def test_shard_named_files_of_no_pack_are_not_deleted_by_overwrite(tmp_path, monkeypatch):
+    """A folder holding a user's 00000.ds, .ds.index, .ds.metadata (no tokpack.json, no work
+    folder) was called 'an unfinished pack of other inputs', HINT --overwrite, which deleted them.
+    Refused, with or without --overwrite, the files kept. A replace killed while clearing an old
+    pack leaves its tokpack.json (deleted last), so --overwrite still finishes it."""
+    write_datatrove(tmp_path / "in" / "a.ds", [[1, 5, 0], [7, 8, 9, 0]])
+    mine = tmp_path / "mine"
+    write_datatrove(mine / "00000.ds", [[2, 2, 0]])
+    before = tree_bytes(mine)
+    for extra in ([], ["--overwrite"]):
+        line = one_error_line(cli(tmp_path / "in", "-o", mine, "--eos-id", 0, "--vocab-size", 10, *extra))
+        assert "output directory holds shard-named files but no tokpack.json" in line, line
+        assert "found 00000.ds, 00000.ds.index, 00000.ds.metadata" in line and "--overwrite" not in line
+        assert tree_bytes(mine) == before
+    out = tmp_path / "out"
+    assert cli(tmp_path / "in", "-o", out, "--eos-id", 0, "--vocab-size", 10, "--shard-tokens", 3).exit_code == 0
+    real_clear, real_unlink, real_iterdir = packing.clear_output, Path.unlink, Path.iterdir
+
+    def killed_after_one_file(directory):  # listing tokpack.json first, as a directory may
+        def unlink(self, *a, **kw):
+            real_unlink(self, *a, **kw)
+            raise KeyboardInterrupt
+
+        with monkeypatch.context() as m:
+            m.setattr(Path, "unlink", unlink)
+            m.setattr(Path, "iterdir", lambda self: iter(sorted(real_iterdir(self), key=lambda p: p.name != MANIFEST)))
+            real_clear(directory)
+
+    monkeypatch.setattr(packing, "clear_output", killed_after_one_file)
+    with pytest.raises(KeyboardInterrupt):
+        pack([str(tmp_path / "in")], str(out), eos_id=0, vocab_size=10, overwrite=True)
+    assert (out / MANIFEST).exists()
+    monkeypatch.setattr(packing, "clear_output", real_clear)
+    assert cli(tmp_path / "in", "-o", out, "--eos-id", 0, "--vocab-size", 10, "--overwrite").exit_code == 0
+    assert packed_docs(out) == [[1, 5, 0], [7, 8, 9, 0]]
