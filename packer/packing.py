@@ -171,6 +171,14 @@ class PackStep(PipelineStep):
                 close_shard()
             elif writer is not None:
                 writer.abort()
+            if input_stamp(f) != stamp:  # written to while read: the shards may mix old and new bytes
+                raise TokpackError(
+                    "input changed while pack read it",
+                    file=f.path,
+                    expected="size, mtime and inode as when pack began reading it",
+                    found="changed",
+                    hint="rerun once nothing writes to the input",
+                )
         except BaseException:
             if blocks is not None:
                 blocks.close()  # stops the reader's read-ahead thread now, not at garbage collection

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import signal
 from pathlib import Path
@@ -1787,3 +1788,31 @@ def test_shard_named_files_of_no_pack_are_not_deleted_by_overwrite(tmp_path, mon
     monkeypatch.setattr(packing, "clear_output", real_clear)
     assert cli(tmp_path / "in", "-o", out, "--eos-id", 0, "--vocab-size", 10, "--overwrite").exit_code == 0
     assert packed_docs(out) == [[1, 5, 0], [7, 8, 9, 0]]
+
+
+def test_an_input_written_to_while_pack_reads_it_is_refused(tmp_path, monkeypatch):
+    """An input rewritten in place while a copying pack read it (a datatrove rerun into the input
+    folder) gave shards of old and new bytes mixed, in silence; pack --link refused the same. It
+    fails in one line, with no part record, and a rerun packs the input as it now is."""
+    ds = tmp_path / "in" / "a.ds"
+    write_datatrove(ds, [[1, 5, 0], [7, 8, 9, 0]] * 40)
+    real = packing.read_blocks
+
+    def written_after_the_first_block(f, *a, **kw):
+        blocks = real(f, *a, **kw)
+        yield next(blocks)
+        before = ds.stat().st_mtime_ns
+        with open(ds, "r+b") as fh:  # in place, the size kept
+            fh.write(np.array([2, 6, 0], dtype="<u2").tobytes())
+        os.utime(ds, ns=(before, before + 10**9))  # a clock tick later, however coarse the filesystem's
+        yield from blocks
+
+    monkeypatch.setattr(packing, "read_blocks", written_after_the_first_block)
+    res = cli(tmp_path / "in", "-o", tmp_path / "out", "--eos-id", 0, "--vocab-size", 10)
+    line = one_error_line(res)
+    assert "a.ds: input changed while pack read it" in line and "HINT: rerun once nothing writes" in line, line
+    assert not (tmp_path / "out" / MANIFEST).exists()
+    assert not list((tmp_path / "out").rglob("part-*.json"))
+    monkeypatch.setattr(packing, "read_blocks", real)
+    assert cli(tmp_path / "in", "-o", tmp_path / "out", "--eos-id", 0, "--vocab-size", 10).exit_code == 0
+    assert packed_docs(tmp_path / "out")[:2] == [[2, 6, 0], [7, 8, 9, 0]]
