@@ -1101,6 +1101,24 @@ def bad_jsonl_nested_equal(c, t):
     return [t / "x.jsonl", "--eos-id", 0, "--vocab-size", 10]
 
 
+def bad_jsonl_gz_truncated(c, t):
+    import gzip
+
+    data = gzip.compress(b"".join(b'{"input_ids": [1, 2, 0]}\n' for _ in range(2000)))
+    (t / "x.jsonl.gz").write_bytes(data[: len(data) // 2])  # a copy cut short
+    return [t / "x.jsonl.gz", "--eos-id", 0, "--vocab-size", 10]
+
+
+def bad_jsonl_not_gzip(c, t):
+    (t / "x.jsonl.gz").write_text('{"input_ids": [1, 2, 0]}\n')
+    return [t / "x.jsonl.gz", "--eos-id", 0, "--vocab-size", 10]
+
+
+def bad_jsonl_not_utf8(c, t):
+    (t / "x.jsonl").write_bytes(b'{"input_ids": [1, 2, 0]}\n\xff\xfe{}\n')
+    return [t / "x.jsonl", "--eos-id", 0, "--vocab-size", 10]
+
+
 def bad_parquet_missing(c, t):
     pq.write_table(pa.table({"tokens": [[1, 2, 0]]}), t / "x.parquet")
     return [t / "x.parquet", "--eos-id", 0]
@@ -1195,6 +1213,9 @@ BAD = [
     bad_jsonl_line,
     bad_jsonl_nested,
     bad_jsonl_nested_equal,
+    bad_jsonl_gz_truncated,
+    bad_jsonl_not_gzip,
+    bad_jsonl_not_utf8,
     bad_parquet_missing,
     bad_parquet_type,
     bad_negative,
@@ -1307,6 +1328,17 @@ WHAT = {
     "bad_jsonl_nested_equal": [
         "x.jsonl [line 1 (document 0), position 0]: token id is not a 64-bit integer; "
         "expected an integer in [-2^63, 2^64), found [1, 2]"
+    ],
+    "bad_jsonl_gz_truncated": [
+        "x.jsonl.gz [after line ",
+        "]: damaged gzip stream; expected a complete gzip file, found Compressed file ended before the "
+        "end-of-stream marker was reached. HINT: the file is truncated or corrupt",
+    ],
+    "bad_jsonl_not_gzip": [
+        "x.jsonl.gz [after line 0]: damaged gzip stream; expected a complete gzip file, found Not a gzipped file"
+    ],
+    "bad_jsonl_not_utf8": [
+        "x.jsonl [after line 0]: not UTF-8 text; expected UTF-8 JSON lines, found invalid start byte (b'\\xff\\xfe{}')"
     ],
     "bad_parquet_missing": [
         "x.parquet [column 'input_ids']: column not found; expected input_ids, found columns "
