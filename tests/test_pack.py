@@ -948,6 +948,18 @@ def bad_cut_at_a_document(c, t):
     return [d]
 
 
+def bad_hf_shard_missing(c, t):
+    """A save_to_disk folder of 3 arrow files copied without its second: the other two packed
+    alone, a third of the rows lost in silence."""
+    (t / "hf").mkdir()
+    names = [f"data-0000{i}-of-00003.arrow" for i in range(3)]
+    for name in names[::2]:
+        with pa.ipc.new_stream(str(t / "hf" / name), pa.schema({"input_ids": pa.list_(pa.int64())})) as w:
+            w.write_table(pa.table({"input_ids": [[1, 2, 0]]}))
+    (t / "hf" / "state.json").write_text(json.dumps({"_data_files": [{"filename": n} for n in names]}))
+    return [t / "hf", "--eos-id", 0, "--vocab-size", 10]
+
+
 def bad_megatron_magic(c, t):
     p = megatron_pair(t)
     b = bytearray(p.with_suffix(".idx").read_bytes())
@@ -1188,6 +1200,7 @@ BAD = [
     bad_index_huge,
     bad_index_last,
     bad_cut_at_a_document,
+    bad_hf_shard_missing,
     bad_megatron_magic,
     bad_megatron_version,
     bad_megatron_dtype,
@@ -1235,6 +1248,10 @@ WHAT = {
     "bad_index_repeated": ["does not increase", "entry 3"],
     "bad_index_huge": ["does not increase", "[entry 2]", f"found {2**64 - 5}"],
     "bad_index_last": ["last entry differs"],
+    "bad_hf_shard_missing": [
+        "data-00001-of-00003.arrow [state.json _data_files]: a file the dataset's state.json lists is missing; "
+        "expected 3 files, found 1 missing. HINT: the dataset folder is incomplete"
+    ],
     "bad_cut_at_a_document": [
         ".ds [tokens]: .ds token count differs from its .ds.metadata; expected ",
         ".ds.metadata), found ",

@@ -138,7 +138,17 @@ def _discover_dir(path: Path, want, column, dtype) -> tuple[str, list[InputFile]
     if want in ("auto", "parquet", "text") and (path / "state.json").exists() and arrows:
         state = json.loads(read_limited(path / "state.json", MAX_MANIFEST_BYTES, "state.json", user=True))
         listed = [path / d["filename"] for d in state.get("_data_files", [])]
-        arrows = [p for p in listed if p.exists()] if listed else arrows
+        missing = [p for p in listed if not p.exists()]
+        if missing:  # an incomplete copy: the files left hold only part of the dataset's rows
+            raise _err(
+                "a file the dataset's state.json lists is missing",
+                missing[0],
+                where="state.json _data_files",
+                expected=f"{len(listed)} files",
+                found=f"{len(missing)} missing",
+                hint="the dataset folder is incomplete: copy it again, or save_to_disk it again",
+            )
+        arrows = listed or arrows
         return _each(arrows, lambda p: table_file(p, "arrow", want, column))
     for suffixes, fmt_name in (((".parquet",), "parquet"), (ARROW_SUFFIXES, "arrow")):
         chosen = [p for p in files if p.suffix in suffixes]
