@@ -1062,6 +1062,22 @@ def bad_megatron_doc_exceeds(c, t):
     return _megatron_doc_index(t, [0, 1, 2, 3, 7, 5])
 
 
+def bad_megatron_dir_idx_missing(c, t):
+    """A folder of Megatron pairs, one .idx left behind by a copy: its .bin was skipped in silence."""
+    for name in ("a", "b"):
+        (t / name).mkdir()
+        megatron_pair(t / name).with_suffix(".bin").rename(t / f"{name}.bin")
+        (t / name / "m.idx").rename(t / f"{name}.idx")
+    (t / "b.idx").unlink()
+    return [t, "--eos-id", 0]
+
+
+def bad_megatron_bin_alone(c, t):
+    p = megatron_pair(t)
+    p.with_suffix(".idx").unlink()
+    return [p.with_suffix(".bin"), "--format", "megatron", "--eos-id", 0]
+
+
 def bad_npy_header(c, t):
     (t / "x.npy").write_bytes(b"\x93NUMPY\x01\x00garbage")
     return [t / "x.npy", "--eos-id", 0, "--vocab-size", 10]
@@ -1216,6 +1232,8 @@ BAD = [
     bad_megatron_negative_pointer,
     bad_megatron_negative_size,
     bad_megatron_doc_exceeds,
+    bad_megatron_dir_idx_missing,
+    bad_megatron_bin_alone,
     bad_npy_header,
     bad_raw_no_dtype,
     bad_npy_float,
@@ -1314,6 +1332,10 @@ WHAT = {
     "bad_megatron_doc_end": [
         "m.idx [document index 5]: Megatron document indices do not end at the sequence count; expected 5, found 4"
     ],
+    "bad_megatron_dir_idx_missing": [
+        "b.bin [.idx]: Megatron .bin without its .idx; expected b.idx beside it, found none. HINT: copy the missing .idx"
+    ],
+    "bad_megatron_bin_alone": ["m.bin [.idx]: Megatron .bin without its .idx; expected m.idx beside it, found none."],
     "bad_npy_header": ["x.npy [header]: unreadable .npy header; expected a numpy .npy file, found "],
     "bad_raw_no_dtype": [
         "x.tok [--dtype]: raw token file needs --dtype; expected uint8 | int8 | uint16 | int16 | "

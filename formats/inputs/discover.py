@@ -96,6 +96,8 @@ def _discover_one(path: Path, want: str, column, dtype) -> tuple[str, list[Input
         and path.with_suffix(".bin").exists()
     ):
         return "megatron", [megatron_file(path.with_suffix(".bin"))]
+    if want == "megatron" and path.suffix in (".bin", ".idx"):
+        raise _lone_megatron(path)
     if want in ("auto", "parquet", "text") and path.suffix in (".parquet", *ARROW_SUFFIXES):
         return table_file(path, "parquet" if path.suffix == ".parquet" else "arrow", want, column)
     if want in ("auto", "numpy") and path.suffix == ".npy":
@@ -122,6 +124,11 @@ def _discover_dir(path: Path, want, column, dtype) -> tuple[str, list[InputFile]
     idx = {p.stem for p in files if p.suffix == ".idx"}
     bins = [p for p in files if p.suffix == ".bin" and p.stem in idx]
     if want in ("auto", "megatron") and bins:
+        stems = {p.stem for p in files if p.suffix == ".bin"}
+        # a .bin whose .idx did not come along (a copy cut short) would be left out in silence
+        for p in files:
+            if (p.suffix == ".bin" and p.stem not in idx) or (p.suffix == ".idx" and p.stem not in stems):
+                raise _lone_megatron(p)
         return "megatron", [megatron_file(p) for p in bins]
     if (path / "dataset_dict.json").exists():
         splits = json.loads(
@@ -167,6 +174,18 @@ def _discover_dir(path: Path, want, column, dtype) -> tuple[str, list[InputFile]
         expected="*.ds, *.bin+*.idx, *.parquet, *.arrow, *.npy or *.jsonl" if want == "auto" else want,
         found=f"{len(files)} files" + (f" ({', '.join(names[:4])}...)" if names else ""),
         hint="check the path, or pass --format",
+    )
+
+
+def _lone_megatron(path: Path) -> TokpackError:
+    other = ".idx" if path.suffix == ".bin" else ".bin"
+    return _err(
+        f"Megatron {path.suffix} without its {other}",
+        path,
+        where=other,
+        expected=f"{path.stem}{other} beside it",
+        found="none",
+        hint=f"copy the missing {other} (a Megatron dataset is the pair), or move this file out of the input",
     )
 
 
