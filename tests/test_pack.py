@@ -1157,6 +1157,23 @@ def bad_parquet_type(c, t):
     return [t / "x.parquet", "--eos-id", 0]
 
 
+def bad_parquet_corrupt_page(c, t):
+    pq.write_table(pa.table({"input_ids": [[1, 2, 0]] * 5000}), t / "x.parquet", row_group_size=1000)
+    b = bytearray((t / "x.parquet").read_bytes())
+    b[200:260] = bytes(60)  # inside a compressed data page: the footer still reads
+    (t / "x.parquet").write_bytes(bytes(b))
+    return [t / "x.parquet", "--eos-id", 0, "--vocab-size", 10]
+
+
+def bad_arrow_stream_truncated(c, t):
+    with pa.ipc.new_stream(str(t / "x.arrow"), pa.schema({"input_ids": pa.list_(pa.int64())})) as w:
+        for _ in range(5):
+            w.write_table(pa.table({"input_ids": [[1, 2, 0]] * 1000}))
+    data = (t / "x.arrow").read_bytes()
+    (t / "x.arrow").write_bytes(data[: len(data) // 2 + 7])  # a copy cut short inside a batch
+    return [t / "x.arrow", "--eos-id", 0, "--vocab-size", 10]
+
+
 def bad_negative(c, t):
     np.save(t / "x.npy", np.array([3, 4, 0, -2, 5, 0], dtype=np.int32))
     return [t / "x.npy", "--eos-id", 0]
@@ -1249,6 +1266,8 @@ BAD = [
     bad_jsonl_not_utf8,
     bad_parquet_missing,
     bad_parquet_type,
+    bad_parquet_corrupt_page,
+    bad_arrow_stream_truncated,
     bad_negative,
     bad_empty_file,
     bad_empty_dir,
@@ -1386,6 +1405,14 @@ WHAT = {
     "bad_parquet_type": [
         "x.parquet [column 'input_ids']: column is not a list of integers; expected list<int>, found "
         "list<element: string>. HINT: pass --column with the token-id column"
+    ],
+    "bad_parquet_corrupt_page": [
+        "x.parquet [after row ",
+        "]: unreadable parquet data; expected a readable parquet file, found ",
+        "HINT: the file is corrupt or truncated",
+    ],
+    "bad_arrow_stream_truncated": [
+        "x.arrow [after row 2000]: unreadable arrow data; expected a readable arrow file, found Expected to be able to read"
     ],
     "bad_negative": ["negative token id", "document 1"],
     "bad_empty_file": ["empty input"],
