@@ -61,6 +61,16 @@ def _output_state(out: Path, request: dict, overwrite: bool) -> str:
             found=", ".join(sorted(others)[:5]),
             hint="choose another -o; --overwrite only replaces tokpack output, never other files",
         )
+    if not (out / MANIFEST).exists() and not (out / WORK_DIR).exists():
+        # shard-named files with neither marker: no state a pack leaves (clear_output deletes the
+        # markers last), so nothing says they are tokpack's; --overwrite must not delete them
+        raise TokpackError(
+            "output directory holds shard-named files but no tokpack.json and no unfinished pack",
+            file=out,
+            expected="an empty or tokpack directory",
+            found=", ".join(sorted(p.name for p in entries)[:5]),
+            hint="choose another -o; if they are an old pack's, delete them yourself",
+        )
     if (out / MANIFEST).exists():
         with suppress(TokpackError):  # a damaged pack is not complete
             if read_manifest(out, kind=SOURCE).get("request") == request:
@@ -92,8 +102,29 @@ def _output_state(out: Path, request: dict, overwrite: bool) -> str:
     return "replace"
 
 
+def _refuse_inputs_inside(files: list[InputFile], out) -> None:
+    """An input inside OUT (a glob over an old pack's shards: `pack out/*.ds -o out`) is a file
+    pack would replace or delete (--overwrite, a finished pack's renames): refused, so a user's
+    tokens are never lost to their own pack. Sidecars (.ds.index, .idx) sit beside their file."""
+    if not isinstance(out, Path):
+        return  # a bucket: no local input lies in it
+    where = Path(os.path.realpath(out))
+    for f in files:
+        if not is_url(f.path) and Path(os.path.realpath(f.path)).is_relative_to(where):
+            raise TokpackError(
+                "an input lies inside the output directory",
+                file=f.path,
+                where="INPUT",
+                expected="inputs outside -o",
+                found=f"inside {out}",
+                hint="choose another -o; packing into the inputs' own folder would replace or delete them",
+            )
+
+
 def clear_output(out: Path) -> None:
-    for p in out.iterdir():
+    # the markers (tokpack.json, the work folder) go last: a run killed here leaves OUT still
+    # known as tokpack's, which a rerun with --overwrite clears (_output_state)
+    for p in sorted(out.iterdir(), key=lambda p: p.name in (MANIFEST, WORK_DIR)):
         if p.name == LOCK_NAME or not _is_ours(p):
             continue  # this command's own lock; what pack did not write (_output_state refused it)
         if p.is_dir():
@@ -231,6 +262,7 @@ def setup_pack(
         f"tokpack pack: detected format {fmt}: {counted(len(files), 'file')}, "
         f"{', '.join(sorted({f.format + (' ' + f.dtype if f.dtype else '') for f in files}))}"
     )
+    _refuse_inputs_inside(files, to.where(out))
     request = {
         "inputs": [
             {"path": f.path if is_url(f.path) else str(Path(f.path).absolute()), "size": f.size, "format": f.format}

@@ -33,7 +33,7 @@ from tokpack import __version__
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.constants import SOURCE, WORK_DIR
 from tokpack.formats.guard import check_space, locked_output
-from tokpack.formats.inputs import BLOCK_BYTES, InputFile
+from tokpack.formats.inputs import BLOCK_BYTES, InputFile, input_stamp
 from tokpack.formats.inputs.discover import check_input, discover, read_blocks
 from tokpack.formats.inputs.tables import table_rows
 from tokpack.formats.io.gate import read_record
@@ -101,7 +101,8 @@ class PackStep(PipelineStep):
         part_dir = Path(self.work) / f"part-{i:05d}"
         part_json = Path(self.work) / f"part-{i:05d}.json"
         part = read_record(part_json)  # a damaged record: the file is packed again
-        if part is not None:
+        stamp = input_stamp(f)  # taken before reading: a change while it is read shows at the rerun
+        if part is not None and part.get("stamp") == stamp:  # else the input changed since: packed again
             shards = part.get("shards")
             if isinstance(shards, list) and all(self.output.has(part_dir, e, out_dtype.itemsize) for e in shards):
                 return part  # done by an earlier run
@@ -127,7 +128,7 @@ class PackStep(PipelineStep):
                 )
             )
             if part is not None:
-                return self._record(part_json, part)
+                return self._record(part_json, {**part, "stamp": stamp})
             check_space([(part_dir, f.size)], "pack", hint=f"{f.path} is copied: {copied}")
         norm = Normalizer(f, self.setup.vocab, self.setup.eos, out_dtype)
         with_loss = bool(f.extra.get("loss"))
@@ -170,6 +171,14 @@ class PackStep(PipelineStep):
                 close_shard()
             elif writer is not None:
                 writer.abort()
+            if input_stamp(f) != stamp:  # written to while read: the shards may mix old and new bytes
+                raise TokpackError(
+                    "input changed while pack read it",
+                    file=f.path,
+                    expected="size, mtime and inode as when pack began reading it",
+                    found="changed",
+                    hint="rerun once nothing writes to the input",
+                )
         except BaseException:
             if blocks is not None:
                 blocks.close()  # stops the reader's read-ahead thread now, not at garbage collection
@@ -187,6 +196,7 @@ class PackStep(PipelineStep):
             "eos_appended": norm.eos_appended,
             "empty_documents_dropped": norm.empty_dropped,
             "end_id": norm.end_id,  # the one id every document lacking EOS ended with, else None
+            "stamp": stamp,
         }
         if copied is not None:
             part["link"] = {"how": "copy", "why": copied}

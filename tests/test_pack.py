@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import signal
 from pathlib import Path
@@ -936,6 +937,29 @@ def bad_index_last(c, t):
     return [d]
 
 
+def bad_cut_at_a_document(c, t):
+    """.ds and .ds.index cut short at one document's end (a copy stopped short): they agree; only
+    the count datatrove's .ds.metadata records shows the lost tokens."""
+    d = copy_dt(c, t)
+    ds = first_ds(d)
+    ends = np.fromfile(f"{ds}.index", dtype="<u8")[:3]
+    ends.tofile(f"{ds}.index")
+    np.fromfile(ds, dtype="<u2")[: int(ends[-1])].tofile(ds)
+    return [d]
+
+
+def bad_hf_shard_missing(c, t):
+    """A save_to_disk folder of 3 arrow files copied without its second: the other two packed
+    alone, a third of the rows lost in silence."""
+    (t / "hf").mkdir()
+    names = [f"data-0000{i}-of-00003.arrow" for i in range(3)]
+    for name in names[::2]:
+        with pa.ipc.new_stream(str(t / "hf" / name), pa.schema({"input_ids": pa.list_(pa.int64())})) as w:
+            w.write_table(pa.table({"input_ids": [[1, 2, 0]]}))
+    (t / "hf" / "state.json").write_text(json.dumps({"_data_files": [{"filename": n} for n in names]}))
+    return [t / "hf", "--eos-id", 0, "--vocab-size", 10]
+
+
 def bad_megatron_magic(c, t):
     p = megatron_pair(t)
     b = bytearray(p.with_suffix(".idx").read_bytes())
@@ -1038,6 +1062,22 @@ def bad_megatron_doc_exceeds(c, t):
     return _megatron_doc_index(t, [0, 1, 2, 3, 7, 5])
 
 
+def bad_megatron_dir_idx_missing(c, t):
+    """A folder of Megatron pairs, one .idx left behind by a copy: its .bin was skipped in silence."""
+    for name in ("a", "b"):
+        (t / name).mkdir()
+        megatron_pair(t / name).with_suffix(".bin").rename(t / f"{name}.bin")
+        (t / name / "m.idx").rename(t / f"{name}.idx")
+    (t / "b.idx").unlink()
+    return [t, "--eos-id", 0]
+
+
+def bad_megatron_bin_alone(c, t):
+    p = megatron_pair(t)
+    p.with_suffix(".idx").unlink()
+    return [p.with_suffix(".bin"), "--format", "megatron", "--eos-id", 0]
+
+
 def bad_npy_header(c, t):
     (t / "x.npy").write_bytes(b"\x93NUMPY\x01\x00garbage")
     return [t / "x.npy", "--eos-id", 0, "--vocab-size", 10]
@@ -1089,6 +1129,24 @@ def bad_jsonl_nested_equal(c, t):
     return [t / "x.jsonl", "--eos-id", 0, "--vocab-size", 10]
 
 
+def bad_jsonl_gz_truncated(c, t):
+    import gzip
+
+    data = gzip.compress(b"".join(b'{"input_ids": [1, 2, 0]}\n' for _ in range(2000)))
+    (t / "x.jsonl.gz").write_bytes(data[: len(data) // 2])  # a copy cut short
+    return [t / "x.jsonl.gz", "--eos-id", 0, "--vocab-size", 10]
+
+
+def bad_jsonl_not_gzip(c, t):
+    (t / "x.jsonl.gz").write_text('{"input_ids": [1, 2, 0]}\n')
+    return [t / "x.jsonl.gz", "--eos-id", 0, "--vocab-size", 10]
+
+
+def bad_jsonl_not_utf8(c, t):
+    (t / "x.jsonl").write_bytes(b'{"input_ids": [1, 2, 0]}\n\xff\xfe{}\n')
+    return [t / "x.jsonl", "--eos-id", 0, "--vocab-size", 10]
+
+
 def bad_parquet_missing(c, t):
     pq.write_table(pa.table({"tokens": [[1, 2, 0]]}), t / "x.parquet")
     return [t / "x.parquet", "--eos-id", 0]
@@ -1097,6 +1155,23 @@ def bad_parquet_missing(c, t):
 def bad_parquet_type(c, t):
     pq.write_table(pa.table({"input_ids": [["a", "b"]]}), t / "x.parquet")
     return [t / "x.parquet", "--eos-id", 0]
+
+
+def bad_parquet_corrupt_page(c, t):
+    pq.write_table(pa.table({"input_ids": [[1, 2, 0]] * 5000}), t / "x.parquet", row_group_size=1000)
+    b = bytearray((t / "x.parquet").read_bytes())
+    b[200:260] = bytes(60)  # inside a compressed data page: the footer still reads
+    (t / "x.parquet").write_bytes(bytes(b))
+    return [t / "x.parquet", "--eos-id", 0, "--vocab-size", 10]
+
+
+def bad_arrow_stream_truncated(c, t):
+    with pa.ipc.new_stream(str(t / "x.arrow"), pa.schema({"input_ids": pa.list_(pa.int64())})) as w:
+        for _ in range(5):
+            w.write_table(pa.table({"input_ids": [[1, 2, 0]] * 1000}))
+    data = (t / "x.arrow").read_bytes()
+    (t / "x.arrow").write_bytes(data[: len(data) // 2 + 7])  # a copy cut short inside a batch
+    return [t / "x.arrow", "--eos-id", 0, "--vocab-size", 10]
 
 
 def bad_negative(c, t):
@@ -1157,6 +1232,8 @@ BAD = [
     bad_index_repeated,
     bad_index_huge,
     bad_index_last,
+    bad_cut_at_a_document,
+    bad_hf_shard_missing,
     bad_megatron_magic,
     bad_megatron_version,
     bad_megatron_dtype,
@@ -1172,6 +1249,8 @@ BAD = [
     bad_megatron_negative_pointer,
     bad_megatron_negative_size,
     bad_megatron_doc_exceeds,
+    bad_megatron_dir_idx_missing,
+    bad_megatron_bin_alone,
     bad_npy_header,
     bad_raw_no_dtype,
     bad_npy_float,
@@ -1182,8 +1261,13 @@ BAD = [
     bad_jsonl_line,
     bad_jsonl_nested,
     bad_jsonl_nested_equal,
+    bad_jsonl_gz_truncated,
+    bad_jsonl_not_gzip,
+    bad_jsonl_not_utf8,
     bad_parquet_missing,
     bad_parquet_type,
+    bad_parquet_corrupt_page,
+    bad_arrow_stream_truncated,
     bad_negative,
     bad_empty_file,
     bad_empty_dir,
@@ -1201,6 +1285,15 @@ WHAT = {
     "bad_index_repeated": ["does not increase", "entry 3"],
     "bad_index_huge": ["does not increase", "[entry 2]", f"found {2**64 - 5}"],
     "bad_index_last": ["last entry differs"],
+    "bad_hf_shard_missing": [
+        "data-00001-of-00003.arrow [state.json _data_files]: a file the dataset's state.json lists is missing; "
+        "expected 3 files, found 1 missing. HINT: the dataset folder is incomplete"
+    ],
+    "bad_cut_at_a_document": [
+        ".ds [tokens]: .ds token count differs from its .ds.metadata; expected ",
+        ".ds.metadata), found ",
+        "HINT: the .ds and its .ds.index are truncated",
+    ],
     "bad_megatron_magic": [
         "m.idx [byte 0]: not a Megatron index: wrong magic; expected b'MMIDIDX\\x00\\x00', found "
         "b'XXXDIDX\\x00\\x00'. HINT: pass the .idx written with the .bin (Megatron's MMIDIDX format)"
@@ -1258,6 +1351,10 @@ WHAT = {
     "bad_megatron_doc_end": [
         "m.idx [document index 5]: Megatron document indices do not end at the sequence count; expected 5, found 4"
     ],
+    "bad_megatron_dir_idx_missing": [
+        "b.bin [.idx]: Megatron .bin without its .idx; expected b.idx beside it, found none. HINT: copy the missing .idx"
+    ],
+    "bad_megatron_bin_alone": ["m.bin [.idx]: Megatron .bin without its .idx; expected m.idx beside it, found none."],
     "bad_npy_header": ["x.npy [header]: unreadable .npy header; expected a numpy .npy file, found "],
     "bad_raw_no_dtype": [
         "x.tok [--dtype]: raw token file needs --dtype; expected uint8 | int8 | uint16 | int16 | "
@@ -1290,6 +1387,17 @@ WHAT = {
         "x.jsonl [line 1 (document 0), position 0]: token id is not a 64-bit integer; "
         "expected an integer in [-2^63, 2^64), found [1, 2]"
     ],
+    "bad_jsonl_gz_truncated": [
+        "x.jsonl.gz [after line ",
+        "]: damaged gzip stream; expected a complete gzip file, found Compressed file ended before the "
+        "end-of-stream marker was reached. HINT: the file is truncated or corrupt",
+    ],
+    "bad_jsonl_not_gzip": [
+        "x.jsonl.gz [after line 0]: damaged gzip stream; expected a complete gzip file, found Not a gzipped file"
+    ],
+    "bad_jsonl_not_utf8": [
+        "x.jsonl [after line 0]: not UTF-8 text; expected UTF-8 JSON lines, found invalid start byte (b'\\xff\\xfe{}')"
+    ],
     "bad_parquet_missing": [
         "x.parquet [column 'input_ids']: column not found; expected input_ids, found columns "
         "['tokens']. HINT: pass --column with the right column name"
@@ -1297,6 +1405,14 @@ WHAT = {
     "bad_parquet_type": [
         "x.parquet [column 'input_ids']: column is not a list of integers; expected list<int>, found "
         "list<element: string>. HINT: pass --column with the token-id column"
+    ],
+    "bad_parquet_corrupt_page": [
+        "x.parquet [after row ",
+        "]: unreadable parquet data; expected a readable parquet file, found ",
+        "HINT: the file is corrupt or truncated",
+    ],
+    "bad_arrow_stream_truncated": [
+        "x.arrow [after row 2000]: unreadable arrow data; expected a readable arrow file, found Expected to be able to read"
     ],
     "bad_negative": ["negative token id", "document 1"],
     "bad_empty_file": ["empty input"],
@@ -1672,3 +1788,129 @@ def test_a_hub_tokenizer_in_datatrove_metadata_is_named_in_the_eos_error(tmp_pat
         "HINT: pass --eos-id N, the end-of-document id of meta-llama/Meta-Llama-3-8B" in line and "--tokenizer" in line
     )
     assert not (tmp_path / "a").exists()
+
+
+def test_inputs_inside_the_output_are_refused_and_kept(tmp_path):
+    """`pack out/*.ds -o out --overwrite` (a glob over an old pack's own shards) deleted the old
+    pack, its inputs, then failed on the missing files: every token lost. An input inside -o is
+    refused before anything is written or deleted, through a symlink too."""
+    np.array([3, 4, 0, 5, 6, 7, 0], dtype=np.uint16).tofile(tmp_path / "x.tok")
+    opts = ["--dtype", "uint16", "--eos-id", "0", "--vocab-size", "10"]
+    out = tmp_path / "out"
+    assert cli(tmp_path / "x.tok", "-o", out, *opts).exit_code == 0
+    before = tree_bytes(out)
+    (tmp_path / "via").symlink_to(out)
+    for shards in ([out / "00000.ds"], [tmp_path / "via" / "00000.ds"]):
+        for extra in ([], ["--overwrite"]):
+            res = cli(*shards, "-o", out, "--shard-tokens", 3, *extra)
+            line = one_error_line(res)
+            assert "00000.ds [INPUT]: an input lies inside the output directory" in line, line
+            assert tree_bytes(out) == before
+    res = CliRunner().invoke(main, ["pack", str(out / "00000.ds"), "-o", str(out), "--overwrite", "--json"])
+    assert res.exit_code == 1 and json.loads(res.stdout)["ok"] is False and tree_bytes(out) == before
+    assert cli(out / "00000.ds", "-o", tmp_path / "elsewhere", "--eos-id", 0, "--vocab-size", 10).exit_code == 0
+
+
+def write_datatrove(ds: Path, docs: list[list[int]]) -> None:
+    """A uint16 datatrove file `ds` (with its index and metadata) holding `docs`."""
+    ds.parent.mkdir(parents=True, exist_ok=True)
+    np.array([t for d in docs for t in d], dtype="<u2").tofile(ds)
+    np.cumsum([len(d) for d in docs]).astype("<u8").tofile(f"{ds}.index")
+    Path(f"{ds}.metadata").write_text(f"tok|2\n{sum(map(len, docs))}")
+
+
+@pytest.mark.parametrize("link", [False, True])
+def test_an_input_rewritten_in_place_between_a_kill_and_its_rerun_is_packed_again(tmp_path, monkeypatch, link):
+    """A pack killed after input 0's part, input 0 then rewritten in place at its size (the request
+    records sizes only), resumed: the rerun kept input 0's old part, a packed source of tokens no
+    input holds any more. The part is packed again: the output is a fresh pack's of the new inputs."""
+    folder = tmp_path / "in"
+    for i in range(3):
+        write_datatrove(folder / f"f{i}.ds", [[i + 1, 5, 0], [7, 8, 9, 0]])
+    opts = {"eos_id": 0, "vocab_size": 20, "link": link}
+    real = packing.PackStep.pack_file
+
+    def dies_on_file_2(self, i):
+        if i == 2:
+            raise KeyboardInterrupt
+        return real(self, i)
+
+    monkeypatch.setattr(packing.PackStep, "pack_file", dies_on_file_2)
+    with pytest.raises(KeyboardInterrupt):
+        pack([str(folder)], str(tmp_path / "out"), **opts)
+    assert (tmp_path / "out" / ".tokpack-work" / "part-00000.json").exists()
+    monkeypatch.setattr(packing.PackStep, "pack_file", real)
+    ds = folder / "f0.ds"
+    size = ds.stat().st_size
+    with open(ds, "r+b") as fh:  # in place, as datatrove's "wb" rerun or dd conv=notrunc does
+        fh.write(np.array([4, 6, 0, 3, 8, 9, 0], dtype="<u2").tobytes())
+    assert ds.stat().st_size == size
+    pack([str(folder)], str(tmp_path / "out"), **opts)
+    pack([str(folder)], str(tmp_path / "fresh"), **opts)
+    assert packed_docs(tmp_path / "out")[:2] == [[4, 6, 0], [3, 8, 9, 0]]
+    assert tree_bytes(tmp_path / "out") == tree_bytes(tmp_path / "fresh")
+
+
+def test_shard_named_files_of_no_pack_are_not_deleted_by_overwrite(tmp_path, monkeypatch):
+    """A folder holding a user's 00000.ds, .ds.index, .ds.metadata (no tokpack.json, no work
+    folder) was called 'an unfinished pack of other inputs', HINT --overwrite, which deleted them.
+    Refused, with or without --overwrite, the files kept. A replace killed while clearing an old
+    pack leaves its tokpack.json (deleted last), so --overwrite still finishes it."""
+    write_datatrove(tmp_path / "in" / "a.ds", [[1, 5, 0], [7, 8, 9, 0]])
+    mine = tmp_path / "mine"
+    write_datatrove(mine / "00000.ds", [[2, 2, 0]])
+    before = tree_bytes(mine)
+    for extra in ([], ["--overwrite"]):
+        line = one_error_line(cli(tmp_path / "in", "-o", mine, "--eos-id", 0, "--vocab-size", 10, *extra))
+        assert "output directory holds shard-named files but no tokpack.json" in line, line
+        assert "found 00000.ds, 00000.ds.index, 00000.ds.metadata" in line and "--overwrite" not in line
+        assert tree_bytes(mine) == before
+    out = tmp_path / "out"
+    assert cli(tmp_path / "in", "-o", out, "--eos-id", 0, "--vocab-size", 10, "--shard-tokens", 3).exit_code == 0
+    real_clear, real_unlink, real_iterdir = packing.clear_output, Path.unlink, Path.iterdir
+
+    def killed_after_one_file(directory):  # listing tokpack.json first, as a directory may
+        def unlink(self, *a, **kw):
+            real_unlink(self, *a, **kw)
+            raise KeyboardInterrupt
+
+        with monkeypatch.context() as m:
+            m.setattr(Path, "unlink", unlink)
+            m.setattr(Path, "iterdir", lambda self: iter(sorted(real_iterdir(self), key=lambda p: p.name != MANIFEST)))
+            real_clear(directory)
+
+    monkeypatch.setattr(packing, "clear_output", killed_after_one_file)
+    with pytest.raises(KeyboardInterrupt):
+        pack([str(tmp_path / "in")], str(out), eos_id=0, vocab_size=10, overwrite=True)
+    assert (out / MANIFEST).exists()
+    monkeypatch.setattr(packing, "clear_output", real_clear)
+    assert cli(tmp_path / "in", "-o", out, "--eos-id", 0, "--vocab-size", 10, "--overwrite").exit_code == 0
+    assert packed_docs(out) == [[1, 5, 0], [7, 8, 9, 0]]
+
+
+def test_an_input_written_to_while_pack_reads_it_is_refused(tmp_path, monkeypatch):
+    """An input rewritten in place while a copying pack read it (a datatrove rerun into the input
+    folder) gave shards of old and new bytes mixed, in silence; pack --link refused the same. It
+    fails in one line, with no part record, and a rerun packs the input as it now is."""
+    ds = tmp_path / "in" / "a.ds"
+    write_datatrove(ds, [[1, 5, 0], [7, 8, 9, 0]] * 40)
+    real = packing.read_blocks
+
+    def written_after_the_first_block(f, *a, **kw):
+        blocks = real(f, *a, **kw)
+        yield next(blocks)
+        before = ds.stat().st_mtime_ns
+        with open(ds, "r+b") as fh:  # in place, the size kept
+            fh.write(np.array([2, 6, 0], dtype="<u2").tobytes())
+        os.utime(ds, ns=(before, before + 10**9))  # a clock tick later, however coarse the filesystem's
+        yield from blocks
+
+    monkeypatch.setattr(packing, "read_blocks", written_after_the_first_block)
+    res = cli(tmp_path / "in", "-o", tmp_path / "out", "--eos-id", 0, "--vocab-size", 10)
+    line = one_error_line(res)
+    assert "a.ds: input changed while pack read it" in line and "HINT: rerun once nothing writes" in line, line
+    assert not (tmp_path / "out" / MANIFEST).exists()
+    assert not list((tmp_path / "out").rglob("part-*.json"))
+    monkeypatch.setattr(packing, "read_blocks", real)
+    assert cli(tmp_path / "in", "-o", tmp_path / "out", "--eos-id", 0, "--vocab-size", 10).exit_code == 0
+    assert packed_docs(tmp_path / "out")[:2] == [[2, 6, 0], [7, 8, 9, 0]]

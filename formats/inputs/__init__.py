@@ -51,6 +51,18 @@ class InputFile:
     extra: dict = field(default_factory=dict)  # per format: sidecar paths, header fields
 
 
+def input_stamp(f: InputFile) -> list[list[int]]:
+    """(size, mtime in ns, inode) of each file the input's tokens come from: a part packed from
+    it is kept by a rerun only while its stamp is the same, since an input rewritten in place at
+    the same size (the request records only sizes) would leave old tokens in the pack."""
+    paths = [f.path, *(f.extra.get(k) for k in ("index", "loss", "idx"))]
+    stamps = []
+    for path in filter(None, paths):
+        st = as_path(path).stat()
+        stamps.append([st.st_size, st.st_mtime_ns, st.st_ino])
+    return stamps
+
+
 def input_error(message, path, **kw) -> TokpackError:
     return TokpackError(message, file=str(path), **kw)
 

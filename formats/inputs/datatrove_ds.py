@@ -20,9 +20,9 @@ from . import INDEX_CHUNK, Block, InputFile, input_error as _err, read_exact, to
 
 def datatrove_file(path, dtype: str | None) -> InputFile:
     meta = as_path(f"{path}.metadata")
-    tokenizer = None
+    tokenizer = recorded = None
     if meta.exists():
-        tokenizer, token_size, _ = parse_metadata_text(
+        tokenizer, token_size, recorded = parse_metadata_text(
             read_limited(meta, MAX_MANIFEST_BYTES, "metadata file", user=True).decode(), meta
         )
         if token_size not in (2, 4):
@@ -55,7 +55,7 @@ def datatrove_file(path, dtype: str | None) -> InputFile:
         name,
         size,
         tokenizer=tokenizer,
-        extra={"index": f"{path}.index", "loss": str(loss) if loss.exists() else None},
+        extra={"index": f"{path}.index", "loss": str(loss) if loss.exists() else None, "recorded": recorded},
     )
 
 
@@ -92,6 +92,18 @@ def check_datatrove(f: InputFile) -> None:
             expected=tokens,
             found=prev,
             hint="the .ds or its index is truncated, or they come from different runs",
+        )
+    recorded = f.extra.get("recorded")
+    if recorded is not None and recorded != tokens:
+        # datatrove writes the count at close: a .ds and .ds.index cut at one document's end
+        # (a copy stopped short) agree with each other, and only this count shows the loss
+        raise _err(
+            ".ds token count differs from its .ds.metadata",
+            f.path,
+            where="tokens",
+            expected=f"{recorded} (line 2 of {as_path(f.path).name}.metadata)",
+            found=tokens,
+            hint="the .ds and its .ds.index are truncated, or the .ds.metadata belongs to another file",
         )
     loss_size = as_path(f.extra["loss"]).stat().st_size if f.extra.get("loss") else tokens
     if loss_size != tokens:

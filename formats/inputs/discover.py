@@ -96,6 +96,8 @@ def _discover_one(path: Path, want: str, column, dtype) -> tuple[str, list[Input
         and path.with_suffix(".bin").exists()
     ):
         return "megatron", [megatron_file(path.with_suffix(".bin"))]
+    if want == "megatron" and path.suffix in (".bin", ".idx"):
+        raise _lone_megatron(path)
     if want in ("auto", "parquet", "text") and path.suffix in (".parquet", *ARROW_SUFFIXES):
         return table_file(path, "parquet" if path.suffix == ".parquet" else "arrow", want, column)
     if want in ("auto", "numpy") and path.suffix == ".npy":
@@ -122,6 +124,11 @@ def _discover_dir(path: Path, want, column, dtype) -> tuple[str, list[InputFile]
     idx = {p.stem for p in files if p.suffix == ".idx"}
     bins = [p for p in files if p.suffix == ".bin" and p.stem in idx]
     if want in ("auto", "megatron") and bins:
+        stems = {p.stem for p in files if p.suffix == ".bin"}
+        # a .bin whose .idx did not come along (a copy cut short) would be left out in silence
+        for p in files:
+            if (p.suffix == ".bin" and p.stem not in idx) or (p.suffix == ".idx" and p.stem not in stems):
+                raise _lone_megatron(p)
         return "megatron", [megatron_file(p) for p in bins]
     if (path / "dataset_dict.json").exists():
         splits = json.loads(
@@ -138,7 +145,17 @@ def _discover_dir(path: Path, want, column, dtype) -> tuple[str, list[InputFile]
     if want in ("auto", "parquet", "text") and (path / "state.json").exists() and arrows:
         state = json.loads(read_limited(path / "state.json", MAX_MANIFEST_BYTES, "state.json", user=True))
         listed = [path / d["filename"] for d in state.get("_data_files", [])]
-        arrows = [p for p in listed if p.exists()] if listed else arrows
+        missing = [p for p in listed if not p.exists()]
+        if missing:  # an incomplete copy: the files left hold only part of the dataset's rows
+            raise _err(
+                "a file the dataset's state.json lists is missing",
+                missing[0],
+                where="state.json _data_files",
+                expected=f"{len(listed)} files",
+                found=f"{len(missing)} missing",
+                hint="the dataset folder is incomplete: copy it again, or save_to_disk it again",
+            )
+        arrows = listed or arrows
         return _each(arrows, lambda p: table_file(p, "arrow", want, column))
     for suffixes, fmt_name in (((".parquet",), "parquet"), (ARROW_SUFFIXES, "arrow")):
         chosen = [p for p in files if p.suffix in suffixes]
@@ -157,6 +174,18 @@ def _discover_dir(path: Path, want, column, dtype) -> tuple[str, list[InputFile]
         expected="*.ds, *.bin+*.idx, *.parquet, *.arrow, *.npy or *.jsonl" if want == "auto" else want,
         found=f"{len(files)} files" + (f" ({', '.join(names[:4])}...)" if names else ""),
         hint="check the path, or pass --format",
+    )
+
+
+def _lone_megatron(path: Path) -> TokpackError:
+    other = ".idx" if path.suffix == ".bin" else ".bin"
+    return _err(
+        f"Megatron {path.suffix} without its {other}",
+        path,
+        where=other,
+        expected=f"{path.stem}{other} beside it",
+        found="none",
+        hint=f"copy the missing {other} (a Megatron dataset is the pair), or move this file out of the input",
     )
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import zlib
+from contextlib import closing
 from itertools import chain
 from typing import Iterator
 
@@ -26,9 +28,37 @@ def _open_text(path):
     )
 
 
-def jsonl_file(path, want: str, column: str | None) -> tuple[str, list[InputFile]]:
+def _lines(path) -> Iterator[str]:
+    """The text lines of `path`. A gzip stream cut short or damaged, or bytes that are not UTF-8,
+    are the input's fault: one line naming it and the line it stopped at, not a crash."""
+    n = 0
     with _open_text(path) as fh:
-        first = next((line for line in fh if line.strip()), None)
+        try:
+            for n, line in enumerate(fh, 1):
+                yield line
+        except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+            raise _err(
+                "damaged gzip stream",
+                path,
+                where=f"after line {n}",
+                expected="a complete gzip file",
+                found=str(e),
+                hint="the file is truncated or corrupt (or not gzip): copy or write it again",
+            ) from None
+        except UnicodeDecodeError as e:
+            raise _err(
+                "not UTF-8 text",
+                path,
+                where=f"after line {n}",  # decoded a chunk at a time: somewhere past the lines read
+                expected="UTF-8 JSON lines",
+                found=f"{e.reason} ({e.object[e.start : e.start + 4]!r})",
+                hint="the file is not JSON lines, or not UTF-8: convert it to UTF-8",
+            ) from None
+
+
+def jsonl_file(path, want: str, column: str | None) -> tuple[str, list[InputFile]]:
+    with closing(_lines(path)) as lines:
+        first = next((line for line in lines if line.strip()), None)
     token_key, text_key = column or "input_ids", column or "text"
     fmt = "jsonl"
     if first is not None:
@@ -64,7 +94,7 @@ def jsonl_blocks(f: InputFile, block_tokens: int) -> Iterator[Block]:
     pending = 0  # tokens in `lists`
     doc = offset = 0
     literals = False  # a line of the block spells true/false, which numpy would take as ids 1/0
-    with _open_text(f.path) as fh:
+    with closing(_lines(f.path)) as fh:
         for line_no, line in enumerate(fh, 1):
             if not line.strip():
                 continue

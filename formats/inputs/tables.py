@@ -184,11 +184,34 @@ def iter_record_batches(f: InputFile, columns: list[str]):
                 yield batch.select(columns)
 
 
+def _decoded(f: InputFile, batches: Iterator, row: int):
+    """The next of `batches`, or None at the end. pyarrow's words for damaged data (ArrowInvalid,
+    or an OSError with no errno: 'Corrupt snappy compressed data') are the file's fault: one line
+    naming it; an OSError with an errno is this machine's and stays what it is."""
+    import pyarrow as pa
+
+    try:
+        return next(batches, None)
+    except (pa.ArrowException, OSError) as e:
+        if isinstance(e, OSError) and e.errno is not None:
+            raise
+        kind = f.extra.get("container", f.format)
+        raise _err(
+            f"unreadable {kind} data",
+            f.path,
+            where=f"after row {row}",
+            expected=f"a readable {kind} file",
+            found=str(e).splitlines()[0].rstrip(".") if str(e) else type(e).__name__,
+            hint="the file is corrupt or truncated: write or copy it again",
+        ) from None
+
+
 def table_blocks(f: InputFile, block_tokens: int) -> Iterator[Block]:
     import pyarrow.compute as pc
 
     row = offset = 0
-    for batch in iter_record_batches(f, [f.column]):
+    batches = iter_record_batches(f, [f.column])
+    while (batch := _decoded(f, batches, row)) is not None:
         col = batch.column(0)
         lengths = pc.list_value_length(col).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
         values = pc.list_flatten(col)
