@@ -454,6 +454,30 @@ def test_failure_midway_then_rerun_is_identical(sources, tmp_path, monkeypatch):
     assert scattered == [] and sorted(written) == list(range(3, n_shards)) and n_shards > 4
 
 
+def test_rerun_with_other_settings_after_a_failure_leaves_no_scratch_of_the_first(sources, tmp_path, monkeypatch):
+    """An out-of-core attempt stopped mid-epoch, then the epoch written with another seed: the
+    first attempt's bucket scratch (its own work folder) can never be resumed, and is removed
+    with the epoch's, not left in OUT for good."""
+    big, small = sources
+    kw = dict(seq_len=L, epochs=[0], memory=5000, shard_samples=60)
+    ref = tmp_path / "ref"
+    shuffle_run([str(big), str(small)], str(ref), seed=9, **kw)
+    out = tmp_path / "out"
+    real = steps.EpochJob.write_shard
+
+    def failing(self, i, blocks):
+        raise OSError("simulated crash")
+
+    monkeypatch.setattr(steps.EpochJob, "write_shard", failing)
+    with pytest.raises(TokpackError, match="simulated crash"):
+        shuffle_run([str(big), str(small)], str(out), seed=8, **kw)
+    assert any((out / run.WORK_DIR).rglob("*.rows"))  # the first attempt's scratch, kept for a rerun
+    monkeypatch.setattr(steps.EpochJob, "write_shard", real)
+    shuffle_run([str(big), str(small)], str(out), seed=9, **kw)
+    assert dir_files(out) == dir_files(ref)
+    assert not (out / run.WORK_DIR).exists()
+
+
 @pytest.mark.parametrize("shard", ["kept", "deleted", "edited"])
 def test_rerun_after_every_shard_writes_only_what_is_missing(sources, tmp_path, monkeypatch, shard):
     """Killed before the manifest: the rerun writes just the manifest. If a written shard was
