@@ -594,6 +594,28 @@ def test_schedule_errors_name_the_field_by_its_path(tmp_path, body):
     assert str(err.value) == f"{bad} {FIELD_PATHS[body]} {SHAPE_HINT}"
 
 
+def test_a_stage_naming_a_missing_source_names_the_file_and_the_stage(corpus, tmp_path):
+    """A stage naming a source that is not there said only `DIR/nope: no such directory` (the
+    file's directory joined to the key), naming neither the schedule file nor the stage: the
+    line now names both, in shuffle and in plan, and nothing is written."""
+    yaml = tmp_path / "gone.yaml"
+    yaml.write_text(
+        f"seq_len: 31\nseed: 7\nstages:\n  - name: s\n    epochs: 1\n    sources: {{{corpus}/web: 1}}\n"
+        "  - name: t\n    epochs: 1\n    sources: {nope: 1}\n"
+    )
+    for args in (
+        ["shuffle", "--schedule", yaml, "-o", tmp_path / "o"],
+        ["plan", "shuffle", "--schedule", yaml, "-o", tmp_path / "p"],
+    ):
+        code, lines = cli(*args)
+        assert code == 1 and lines == [
+            f"tokpack: error: {yaml} [stages[1].sources.nope]: a stage names a source that is not there; "
+            f"expected a packed source directory, found nothing at {tmp_path / 'nope'}. HINT: correct the path in "
+            "the schedule (a relative one is relative to the file's directory), or put the source there"
+        ], lines
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gone.yaml"]
+
+
 @pytest.mark.parametrize("spelling", ["./web", "weblink"])
 def test_a_stage_naming_one_source_twice_is_the_clis_line(corpus, tmp_path, spelling):
     """Issue 32: `web` and `./web` (or a symlink to web) in one stage is one source twice: the
