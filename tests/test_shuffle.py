@@ -642,3 +642,26 @@ def test_a_source_shard_cut_short_is_one_line_naming_it_before_anything_is_writt
     assert not (out / "tokpack.json").exists() and not list(
         out.glob("epoch-*/*.ds")
     )  # nothing that could pass for data
+
+
+def test_a_different_run_line_says_what_each_side_lacks_and_proposes_an_epoch_the_run_lacks(sources, tmp_path):
+    """A shuffle into a run made with other settings: a setting one side does not have (no
+    --holdout, no weights) was left out of the line ("expected {'fraction': '1/100'}." and no
+    "found"), and the --like hint proposed the first epoch asked even when the run held it (a
+    command that writes nothing). The line names both sides; the hint names the first epoch asked
+    that the run lacks, and none when it holds every one."""
+    big, small = sources
+    out = tmp_path / "out"
+    shuffle_run([str(big)], str(out), seq_len=L, seed=1, epochs=[0, 1], memory=1 << 30)
+    base = [big, "-o", out, "--seq-len", L, "--seed", 1]
+    for args, where, expected, found in (
+        ([*base, "--epochs", 2, "--holdout", "1%"], "holdout", "{'fraction': '1/100'}", "no holdout"),
+        ([f"{big}=0.5", *base[1:], "--epochs", 2], "weights", "['1']", "no weights"),
+    ):
+        line = run_cli(*args).stderr.strip()
+        assert f"[{where}]: output directory holds a different run; expected {expected}, found {found}." in line, line
+    line = run_cli(*base[:-1], 2, "--epochs", 2).stderr.strip()
+    assert "[seed]" in line and "--like" not in line, line
+    line = run_cli(*base[:-1], 2, "--epochs", 4).stderr.strip()
+    assert line.endswith(f"`tokpack shuffle --like {out} --epoch 2`"), line
+    assert read_manifest(out, kind="run")["epochs"] == [0, 1]
