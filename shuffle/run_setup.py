@@ -426,7 +426,8 @@ def existing_run(out: Path, to: Output = LocalOutput()) -> dict | None:
     if not out.exists():
         return None
     if not out.is_dir():
-        raise TokpackError("output is not a directory", file=out)
+        # the line the lock's guard gives shuffle (formats.guard): plan, which takes no lock, gets it here
+        raise TokpackError("output exists and is not a directory", file=out, hint="choose another -o")
     if (out / MANIFEST).exists():
         return params_of_manifest(read_manifest(out, kind=RUN))
     kept = to.where(out)
