@@ -370,7 +370,22 @@ class RunPlan:
         self.counts = []  # per stage: samples per epoch of each source (0: not in the stage)
         for k in range(len(schedule.stages)):
             counts = [0] * len(sources)
-            for u, sp in zip(self.members[k], self._stage_plan(k, 0).sources):
+            try:
+                stage_plan = self._stage_plan(k, 0)
+            except TokpackError as e:
+                if schedule.file is None or "--samples/--tokens" not in (e.where or ""):
+                    raise
+                # a stage's size or weights, not flags the command was not given: name the file's field
+                size = "tokens" if schedule.stages[k].tokens is not None else "epochs"
+                raise TokpackError(
+                    f"{e.message} (source {e.file})",
+                    file=schedule.file,
+                    where=f"stages[{k}].{size}",
+                    expected=e.expected,
+                    found=e.found,
+                    hint=f"lower the stage's {size} or that source's weight in the schedule, or add data",
+                ) from None
+            for u, sp in zip(self.members[k], stage_plan.sources):
                 counts[u] = sp.samples
             self.counts.append(counts)
 

@@ -616,6 +616,26 @@ def test_a_stage_naming_a_missing_source_names_the_file_and_the_stage(corpus, tm
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gone.yaml"]
 
 
+def test_a_stage_too_large_for_its_sources_names_the_stage_not_flags(corpus, tmp_path):
+    """A stage whose tokens take a source more than 10^5 times in one epoch was refused naming
+    the source directory and "--samples/--tokens/SOURCE=WEIGHT", flags a schedule run is not
+    given: the line names the schedule file and the stage's field, in shuffle and in plan."""
+    yaml = tmp_path / "huge.yaml"
+    yaml.write_text(
+        f"seq_len: 31\nseed: 7\nstages:\n  - name: s\n    epochs: 1\n    sources: {{{corpus}/web: 1}}\n"
+        f"  - name: t\n    tokens: 100T\n    sources: {{{corpus}/web: 1, {corpus}/code: 1}}\n"
+    )
+    for args in (
+        ["shuffle", "--schedule", yaml, "-o", tmp_path / "o"],
+        ["plan", "shuffle", "--schedule", yaml, "-o", tmp_path / "p"],
+    ):
+        code, lines = cli(*args)
+        assert code == 1 and len(lines) == 1, lines
+        assert lines[0].startswith(f"tokpack: error: {yaml} [stages[1].tokens]: passes over one source"), lines
+        assert "--samples" not in lines[0] and "lower the stage's tokens" in lines[0], lines
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["huge.yaml"]
+
+
 @pytest.mark.parametrize("spelling", ["./web", "weblink"])
 def test_a_stage_naming_one_source_twice_is_the_clis_line(corpus, tmp_path, spelling):
     """Issue 32: `web` and `./web` (or a symlink to web) in one stage is one source twice: the
