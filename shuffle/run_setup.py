@@ -429,7 +429,20 @@ def existing_run(out: Path, to: Output = LocalOutput()) -> dict | None:
         # the line the lock's guard gives shuffle (formats.guard): plan, which takes no lock, gets it here
         raise TokpackError("output exists and is not a directory", file=out, hint="choose another -o")
     if (out / MANIFEST).exists():
-        return params_of_manifest(read_manifest(out, kind=RUN))
+        try:
+            return params_of_manifest(read_manifest(out, kind=RUN))
+        except TokpackError as e:
+            if e.where != "kind":
+                raise
+            # -o a source or an epoch: the format's line says which kind, not what to do
+            raise TokpackError(
+                e.message,
+                file=e.file,
+                where=e.where,
+                expected=e.expected,
+                found=e.found,
+                hint=f"-o takes a run directory (a new one, or one shuffle wrote), not a tokpack {e.found}: choose another -o",
+            ) from None
     kept = to.where(out)
     listed = kept if kept.exists() else out
     foreign = [

@@ -59,6 +59,18 @@ def open_source(path, check_sizes: bool = True) -> PackedSource:
             found="a folder without tokpack.json, that no pack is writing",
             hint=f"pack it first (`tokpack pack {shlex.quote(str(path))} -o PACKED`), then give PACKED as the SOURCE",
         ) from None
+    except TokpackError as e:
+        if e.where != "kind" or e.hint is not None:
+            raise
+        # an epoch or run given as a SOURCE: the format's line says which kind, not what to give
+        raise TokpackError(
+            e.message,
+            file=e.file,
+            where=e.where,
+            expected=e.expected,
+            found=e.found,
+            hint="give a packed source (the directory `tokpack pack` writes); epochs and runs are shuffle's output",
+        ) from None
 
 
 # `shuffle --to-nodes --keep-sources DIR` (tokpack.packer.exchange): each source's location (as

@@ -235,3 +235,26 @@ def test_shuffle_of_an_unpacked_folder_says_to_pack_it_not_to_rerun(corpus, tmp_
     r = run("shuffle", *args)
     assert r.exit_code == 1 and json.loads(r.stdout)["error"]["message"] == "incomplete: no tokpack.json"
     assert not (tmp_path / "run").exists()
+
+
+def test_shuffle_given_the_wrong_kind_of_directory_says_what_to_give(corpus, tmp_path):
+    """An epoch or run given as a SOURCE, or a packed source as -o, was "wrong kind of tokpack
+    directory; expected source, found epoch" with no HINT ("hint": null under --json): the line
+    now says what the argument takes, in shuffle and plan."""
+    packed = tmp_path / "packed"
+    assert run("pack", corpus, "-o", packed, "--eos-id", EOS, "--vocab-size", VOCAB).exit_code == 0
+    base = ["--seq-len", 15, "--seed", 1, "--epochs", 1, "--json"]
+    assert run("shuffle", packed, "-o", tmp_path / "run", *base).exit_code == 0
+    for source, out, hint in (
+        (tmp_path / "run", tmp_path / "r2", "give a packed source"),
+        (tmp_path / "run" / "epoch-00000", tmp_path / "r2", "give a packed source"),
+        (packed, packed, "-o takes a run directory"),
+        (packed, tmp_path / "run" / "epoch-00000", "-o takes a run directory"),
+    ):
+        for command in (["shuffle"], ["plan", "shuffle"]):
+            extra = ["--disk-mbps", 100] if command == ["plan", "shuffle"] else []
+            r = run(*command, source, "-o", out, *base, *extra)
+            error = json.loads(r.stdout)["error"]
+            assert r.exit_code == 1 and error["where"] == "kind", (command, source, out, error)
+            assert error["hint"] and error["hint"].startswith(hint), (command, source, out, error)
+    assert not (tmp_path / "r2").exists()
