@@ -658,6 +658,26 @@ def test_a_stage_naming_one_source_twice_is_the_clis_line(corpus, tmp_path, spel
         assert "the same source is given twice" in res.stderr and "give each source once" in res.stderr
 
 
+def test_shard_samples_given_beside_a_schedule_that_declares_it_is_refused_not_taken(corpus, tmp_path):
+    """`--shard-samples 20` beside a schedule declaring `shard_samples: 50` silently won over the
+    file (a run of 20-sample shards, the file saying 50). Refused in one line, naming the file,
+    nothing written; the file's own value, or a file silent about it, is taken as before."""
+    args = ["--schedule", corpus / "run.yaml", "--epoch", 3, "--memory", MEMORY]
+    for command in (["shuffle"], ["plan", "shuffle"]):
+        code, lines = cli(*command, *args, "-o", tmp_path / "a", "--shard-samples", 20)
+        assert code == 1 and lines == [
+            f"tokpack: error: {corpus / 'run.yaml'} [--shard-samples]: --shard-samples differs from the schedule's "
+            "shard_samples; expected 50, found 20. HINT: drop --shard-samples, or change shard_samples in the schedule"
+        ], lines
+    assert not (tmp_path / "a").exists()
+    assert cli("shuffle", *args, "-o", tmp_path / "b", "--shard-samples", 50)[0] == 0
+    assert read_manifest(tmp_path / "b")["shard_samples"] == 50
+    silent = corpus / "silent.yaml"  # beside the sources it names
+    silent.write_text(SCHEDULE.replace("shard_samples: 50\n", ""))
+    assert cli("shuffle", "--schedule", silent, "--epoch", 3, "-o", tmp_path / "c", "--shard-samples", 20)[0] == 0
+    assert read_manifest(tmp_path / "c")["shard_samples"] == 20
+
+
 def test_a_setting_the_schedule_declares_given_too_is_refused_not_ignored(corpus, tmp_path):
     """`--packing concat` beside a schedule whose packing is best-fit was silently ignored (concat
     could not be told from "not given"; issue 40), and the API dropped a `seq_len` given beside a
