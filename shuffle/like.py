@@ -14,8 +14,10 @@ runs: --memory, --workers, the executor, --scratch, and -o (default: RUN itself)
 from __future__ import annotations
 
 from tokpack.formats.errors import IncompleteError, TokpackError
-from tokpack.formats.constants import LOCK_NAME, RUN, WORK_DIR
-from tokpack.formats.io.paths import as_path
+from pathlib import Path
+
+from tokpack.formats.constants import LOCK_NAME, MANIFEST, RUN, WORK_DIR
+from tokpack.formats.io.paths import as_path, local_path
 from tokpack.formats.packing import run_holdout
 from tokpack.formats.reading import read_manifest
 
@@ -78,6 +80,21 @@ def run_settings(run_dir) -> dict:
             found=found,
             hint="give the run directory (the one holding tokpack.json and epoch-NNNNN/)",
         ) from None
+    # What the run recorded and the user never typed: one gone since is named with the run
+    # manifest's field, not as a bare path the user may not recognise.
+    recorded = [("schedule_file", m["schedule_file"])] if m.get("schedule_file") else []
+    recorded = recorded or [(f"sources[{i}].path", s["path"]) for i, s in enumerate(m["sources"])]
+    for where, path in recorded:
+        local = local_path(path)
+        if local is not None and not Path(local).exists():
+            raise TokpackError(
+                "the run's input is no longer where the run recorded it",
+                file=as_path(run_dir) / MANIFEST,
+                where=where,
+                expected="the file or directory the run was made from",
+                found=f"nothing at {path}",
+                hint="put it back at that path (a symbolic link to where it is now will do), then rerun",
+            )
     pk = m.get("packing") if isinstance(m.get("packing"), dict) else {}
     holdout = run_holdout(m)  # as parse_holdout recorded it, given back as its text
     holdout = None if holdout is None else holdout.get("fraction") or str(holdout.get("tokens"))

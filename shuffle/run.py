@@ -312,9 +312,6 @@ def shuffle_run(
         out.mkdir(parents=True, exist_ok=True)
         if job is None:
             skipped.append(epoch)
-            # A kill while the finished epoch's scratch was being removed leaves part of it.
-            for stale in (out / WORK_DIR).glob(f"{epoch_dir_name(epoch)}-*"):
-                to.remove_tree(stale)
             log(f"epoch {epoch}: already complete, skipped")
         else:
             report = plan.source_report()  # before the epoch's table: it counts repeats from the passes kept
@@ -322,6 +319,11 @@ def shuffle_run(
             summary["stage"] = runplan.stage_name(epoch)
             summary["sources"] = report
             summaries.append(summary)
+        # The epoch is complete: no work folder of its number can be resumed any more, neither
+        # what a kill left while its scratch was being removed nor an interrupted attempt's with
+        # other settings (another seed, --seq-len...), which would otherwise hold its scratch for good.
+        for stale in (out / WORK_DIR).glob(f"{epoch_dir_name(epoch)}-*"):
+            to.remove_tree(stale)
         done_epochs = sorted(set(done_epochs) | {epoch})
         to.finish(out, setup.written_run_manifest(out, plan, done_epochs))
     held = None

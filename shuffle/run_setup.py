@@ -257,6 +257,9 @@ def setup_run(
         )
 
     todo = []  # (epoch, plan, job or None when the epoch is complete already): planned before any write
+    # the first epoch asked that the run lacks, for the hint of a different run: one it holds would write nothing
+    held_epochs = set(done_epochs)
+    lacks = next((e for e in epochs if e not in held_epochs), None)
     shards = 0
     for epoch in epochs:
         plan = runplan.epoch_plan(epoch)
@@ -271,7 +274,9 @@ def setup_run(
         plan = replace(plan, sources=tuple(replace(sp, path=recorded[sp.index]) for sp in plan.sources))
         params = run_params_of(plan, [sp.weight for sp in plan.sources], shard_samples)
         if existing is not None:
-            like = shuffle_command({"kind": RUN}, out, epoch) if (out / MANIFEST).exists() else None
+            like = (
+                shuffle_command({"kind": RUN}, out, lacks) if (out / MANIFEST).exists() and lacks is not None else None
+            )
             check_same_run(existing, run_params or params, out, like)
         existing = run_params or params
         edir = out / epoch_dir_name(epoch)
@@ -392,8 +397,9 @@ def check_same_run(found: dict, wanted: dict, where: Path, like: str | None = No
                 "output directory holds a different run",
                 file=where,
                 where=key,
-                expected=wanted.get(key),
-                found=found.get(key),
+                # a setting one side lacks (no --holdout, no weights) is said: a None would drop it from the line
+                expected=f"no {key}" if wanted.get(key) is None else wanted.get(key),
+                found=f"no {key}" if found.get(key) is None else found.get(key),
                 hint="use another -o, delete it, or repeat the run's exact sources, weights, "
                 "--seq-len, --seed, --jitter, --packing, --holdout, --samples/--tokens and --shard-samples"
                 + (f"; to add the epoch with the run's own settings: `{like}`" if like else ""),
@@ -420,9 +426,23 @@ def existing_run(out: Path, to: Output = LocalOutput()) -> dict | None:
     if not out.exists():
         return None
     if not out.is_dir():
-        raise TokpackError("output is not a directory", file=out)
+        # the line the lock's guard gives shuffle (formats.guard): plan, which takes no lock, gets it here
+        raise TokpackError("output exists and is not a directory", file=out, hint="choose another -o")
     if (out / MANIFEST).exists():
-        return params_of_manifest(read_manifest(out, kind=RUN))
+        try:
+            return params_of_manifest(read_manifest(out, kind=RUN))
+        except TokpackError as e:
+            if e.where != "kind":
+                raise
+            # -o a source or an epoch: the format's line says which kind, not what to do
+            raise TokpackError(
+                e.message,
+                file=e.file,
+                where=e.where,
+                expected=e.expected,
+                found=e.found,
+                hint=f"-o takes a run directory (a new one, or one shuffle wrote), not a tokpack {e.found}: choose another -o",
+            ) from None
     kept = to.where(out)
     listed = kept if kept.exists() else out
     foreign = [

@@ -178,7 +178,7 @@ def _weight(value, file, where: str) -> str:
 
 def _stages(entries: list, path: Path, seq_len: int) -> list[Stage]:
     """A schedule file's `stages`, each checked (read_schedule)."""
-    stages, names = [], {}
+    stages, names, named = [], {}, []
     for i, st in enumerate(entries):
         where = f"stages[{i}]"
         _check_keys(st, STAGE_KEYS, path, where)
@@ -205,6 +205,7 @@ def _stages(entries: list, path: Path, seq_len: int) -> list[Stage]:
             first = resolved.setdefault(Path(p).resolve(), k)
             if first != k:
                 raise same_source_twice(p, "path", paths[first])
+        named += [(f"{where}.sources.{key}", p) for key, p in zip(sources, paths)]
         weights = [_weight(w, path, f"{where}.sources.{p}") for p, w in sources.items()]
         if ("tokens" in st) == ("epochs" in st):
             _fail(
@@ -240,6 +241,19 @@ def _stages(entries: list, path: Path, seq_len: int) -> list[Stage]:
             where=f"{where}.epochs",
             hint=f"epochs are numbered 0 to {MAX_EPOCHS - 1} through all stages",
         )
+    # Once the file's shape is right, and here, not where the sources are opened: that line would
+    # name only the joined path, not this file and stage (with --like, a file the user never named).
+    for where, p in named:
+        if not Path(p).exists():
+            _fail(
+                "a stage names a source that is not there",
+                path,
+                where,
+                "a packed source directory",
+                f"nothing at {p}",
+                hint="correct the path in the schedule (a relative one is relative to the file's directory), "
+                "or put the source there",
+            )
     return stages
 
 
@@ -356,7 +370,22 @@ class RunPlan:
         self.counts = []  # per stage: samples per epoch of each source (0: not in the stage)
         for k in range(len(schedule.stages)):
             counts = [0] * len(sources)
-            for u, sp in zip(self.members[k], self._stage_plan(k, 0).sources):
+            try:
+                stage_plan = self._stage_plan(k, 0)
+            except TokpackError as e:
+                if schedule.file is None or "--samples/--tokens" not in (e.where or ""):
+                    raise
+                # a stage's size or weights, not flags the command was not given: name the file's field
+                size = "tokens" if schedule.stages[k].tokens is not None else "epochs"
+                raise TokpackError(
+                    f"{e.message} (source {e.file})",
+                    file=schedule.file,
+                    where=f"stages[{k}].{size}",
+                    expected=e.expected,
+                    found=e.found,
+                    hint=f"lower the stage's {size} or that source's weight in the schedule, or add data",
+                ) from None
+            for u, sp in zip(self.members[k], stage_plan.sources):
                 counts[u] = sp.samples
             self.counts.append(counts)
 

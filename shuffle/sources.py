@@ -6,14 +6,15 @@ described by its counts for `tokpack plan`.
 from __future__ import annotations
 
 import functools
+import shlex
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import xxhash
 
-from tokpack.formats.constants import DEFAULT_SHARD_TOKENS, SOURCE
-from tokpack.formats.errors import TokpackError
+from tokpack.formats.constants import DEFAULT_SHARD_TOKENS, LOCK_NAME, SOURCE, WORK_DIR
+from tokpack.formats.errors import IncompleteError, TokpackError
 from tokpack.formats.io.paths import local_path
 from tokpack.formats.names import dtype_from_name
 from tokpack.formats.shards import PackedSource
@@ -44,7 +45,32 @@ def open_source(path, check_sizes: bool = True) -> PackedSource:
     kept = _KEPT.get(source_location(path)) if _KEPT else None
     if kept is not None:
         return replace(PackedSource.open(kept, check_sizes=False), kept_from=Path(source_location(path)))
-    return PackedSource.open(path, check_sizes=check_sizes)
+    try:
+        return PackedSource.open(path, check_sizes=check_sizes)
+    except IncompleteError:
+        local = local_path(path)
+        if local is None or any((Path(local) / name).exists() for name in (WORK_DIR, LOCK_NAME)):
+            raise  # a pack interrupted or still running there: its rerun finishes it
+        # No pack ever wrote here (the unpacked corpus, say): "rerun the same command" would not help.
+        raise TokpackError(
+            "not a packed source",
+            file=path,
+            expected="a directory `tokpack pack` wrote (its tokpack.json)",
+            found="a folder without tokpack.json, that no pack is writing",
+            hint=f"pack it first (`tokpack pack {shlex.quote(str(path))} -o PACKED`), then give PACKED as the SOURCE",
+        ) from None
+    except TokpackError as e:
+        if e.where != "kind" or e.hint is not None:
+            raise
+        # an epoch or run given as a SOURCE: the format's line says which kind, not what to give
+        raise TokpackError(
+            e.message,
+            file=e.file,
+            where=e.where,
+            expected=e.expected,
+            found=e.found,
+            hint="give a packed source (the directory `tokpack pack` writes); epochs and runs are shuffle's output",
+        ) from None
 
 
 # `shuffle --to-nodes --keep-sources DIR` (tokpack.packer.exchange): each source's location (as

@@ -93,6 +93,16 @@ class ShuffleSpec:
         sc = self.schedule
         if sc is None:
             return None
+        # --shard-samples beside a file that declares shard_samples was silently taken over the file's
+        if "shard_samples" in self.given and "shard_samples" in sc.declared and self.shard_samples != sc.shard_samples:
+            raise TokpackError(
+                "--shard-samples differs from the schedule's shard_samples",
+                file=sc.file,
+                where="--shard-samples",
+                expected=sc.shard_samples,
+                found=self.shard_samples,
+                hint="drop --shard-samples, or change shard_samples in the schedule",
+            )
         if self.packing is None or self.packing == sc.packing:
             return sc
         if "packing" in sc.declared:

@@ -214,3 +214,47 @@ def test_pack_shows_an_overall_bar_over_its_files(corpus, tmp_path, monkeypatch)
     (overall,) = [b for b in bars if b.desc == "pack: 2 files"]
     assert overall.total == overall.done == corpus.stat().st_size + other.stat().st_size
     assert sorted(b.desc for b in bars if b is not overall) == ["pack corpus.jsonl", "pack more.jsonl"]
+
+
+def test_shuffle_of_an_unpacked_folder_says_to_pack_it_not_to_rerun(corpus, tmp_path):
+    """`shuffle CORPUS_DIR` (the tokenized corpus, not yet packed) said "incomplete: no
+    tokpack.json. HINT: ... rerun the same command to finish it", which no rerun finishes. A
+    folder no pack wrote into is "not a packed source", with the pack command as the hint, in
+    shuffle and plan, under --json too; one a pack is still writing (its work folder) stays
+    incomplete."""
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    (raw / "corpus.jsonl").write_bytes(corpus.read_bytes())
+    args = [raw, "-o", tmp_path / "run", "--seq-len", 15, "--seed", 1, "--epochs", 1, "--json"]
+    for command in (["shuffle", *args], ["plan", "shuffle", *args, "--disk-mbps", 100]):
+        r = run(*command)
+        error = json.loads(r.stdout)["error"]
+        assert r.exit_code == 1 and (error["message"], error["file"]) == ("not a packed source", str(raw)), error
+        assert f"tokpack pack {raw} -o PACKED" in error["hint"] and "rerun" not in error["hint"], error
+    (raw / ".tokpack-work").mkdir()
+    r = run("shuffle", *args)
+    assert r.exit_code == 1 and json.loads(r.stdout)["error"]["message"] == "incomplete: no tokpack.json"
+    assert not (tmp_path / "run").exists()
+
+
+def test_shuffle_given_the_wrong_kind_of_directory_says_what_to_give(corpus, tmp_path):
+    """An epoch or run given as a SOURCE, or a packed source as -o, was "wrong kind of tokpack
+    directory; expected source, found epoch" with no HINT ("hint": null under --json): the line
+    now says what the argument takes, in shuffle and plan."""
+    packed = tmp_path / "packed"
+    assert run("pack", corpus, "-o", packed, "--eos-id", EOS, "--vocab-size", VOCAB).exit_code == 0
+    base = ["--seq-len", 15, "--seed", 1, "--epochs", 1, "--json"]
+    assert run("shuffle", packed, "-o", tmp_path / "run", *base).exit_code == 0
+    for source, out, hint in (
+        (tmp_path / "run", tmp_path / "r2", "give a packed source"),
+        (tmp_path / "run" / "epoch-00000", tmp_path / "r2", "give a packed source"),
+        (packed, packed, "-o takes a run directory"),
+        (packed, tmp_path / "run" / "epoch-00000", "-o takes a run directory"),
+    ):
+        for command in (["shuffle"], ["plan", "shuffle"]):
+            extra = ["--disk-mbps", 100] if command == ["plan", "shuffle"] else []
+            r = run(*command, source, "-o", out, *base, *extra)
+            error = json.loads(r.stdout)["error"]
+            assert r.exit_code == 1 and error["where"] == "kind", (command, source, out, error)
+            assert error["hint"] and error["hint"].startswith(hint), (command, source, out, error)
+    assert not (tmp_path / "r2").exists()

@@ -344,3 +344,29 @@ def test_like_refuses_a_setting_given_as_zero(corpus, tmp_path):
         with pytest.raises(UsageError, match=rf"from the run; drop {flag}$"):
             api.shuffle(like=tmp_path / "run", epochs=[1], **given)
     assert not (tmp_path / "run" / epoch_dir_name(1)).exists()
+
+
+def test_like_of_a_run_whose_input_moved_names_the_run_manifest_field(corpus, tmp_path):
+    """--like reads paths the user never typed: a source (or a schedule file) moved since the run
+    was made said only `/old/path: no such directory` (or ENOENT), naming no run and no field. The
+    line names the run manifest and the field, under --json too; put back, the epoch is written."""
+    for name in ("web", "code"):
+        shutil.copytree(corpus / name, tmp_path / name)
+    shutil.copy(corpus / "run.yaml", tmp_path / "run.yaml")
+    flags = [a.replace(str(corpus), str(tmp_path)) for a in command("concat", corpus)]
+    for run, first in (("flags", flags), ("sched", ["--schedule", tmp_path / "run.yaml"])):
+        code, _, err = cli("shuffle", *first, "-o", run, "--epoch", 0, cwd=tmp_path)
+        assert code == 0, err
+    (tmp_path / "web").rename(tmp_path / "web-moved")
+    (tmp_path / "run.yaml").rename(tmp_path / "run-moved.yaml")
+    for run, where, gone in (("flags", "sources[0].path", "web"), ("sched", "schedule_file", "run.yaml")):
+        code, out, err = cli("shuffle", "--like", run, "--epoch", 1, "--json", cwd=tmp_path)
+        assert code == 1 and len(err.strip().splitlines()) == 1, err
+        error = json.loads(out)["error"]
+        assert (error["file"], error["where"]) == (f"{run}/{MANIFEST}", where), error
+        assert error["found"] == f"nothing at {tmp_path / gone}" and "put it back" in error["hint"], error
+    (tmp_path / "web-moved").rename(tmp_path / "web")
+    (tmp_path / "run-moved.yaml").rename(tmp_path / "run.yaml")
+    for run in ("flags", "sched"):
+        code, _, err = cli("shuffle", "--like", run, "--epoch", 1, cwd=tmp_path)
+        assert code == 0, err

@@ -424,3 +424,22 @@ def test_plan_pack_of_parquet_counts_tokens_from_the_footer(tmp_path):
     assert planned.shards == -(-tokens // kw["shard_tokens"]) and packed.shards >= planned.shards >= 1
     assert abs(p["written_bytes"] - packed.bytes) <= 0.15 * packed.bytes
     assert p["decode_seconds"] > 0 and p["seconds"] >= round(p["decode_seconds"], 1)
+
+
+def test_plan_into_an_output_that_is_a_file_is_the_commands_line_with_its_hint(corpus, tmp_path):
+    """`plan shuffle -o FILE` said only "FILE: output is not a directory" (no HINT; `"hint": null`
+    under --json), where shuffle says the output exists and is not a directory and to choose
+    another one."""
+    from click.testing import CliRunner
+
+    from tokpack.packer.cli import main
+
+    out = tmp_path / "afile"
+    out.write_text("mine")
+    args = [str(corpus), "-o", str(out), "--seq-len", "15", "--seed", "1", "--epochs", "1", "--json"]
+    for command in (["plan", "shuffle", *args, "--disk-mbps", "100"], ["shuffle", *args]):
+        res = CliRunner().invoke(main, command)
+        error = json.loads(res.stdout)["error"]
+        assert res.exit_code == 1 and error["message"] == "output exists and is not a directory", (command, error)
+        assert error["file"] == str(out) and error["hint"], (command, error)
+    assert out.read_text() == "mine"

@@ -600,6 +600,48 @@ def test_schedule_errors_name_the_field_by_its_path(tmp_path, body):
     assert str(err.value) == f"{bad} {FIELD_PATHS[body]} {SHAPE_HINT}"
 
 
+def test_a_stage_naming_a_missing_source_names_the_file_and_the_stage(corpus, tmp_path):
+    """A stage naming a source that is not there said only `DIR/nope: no such directory` (the
+    file's directory joined to the key), naming neither the schedule file nor the stage: the
+    line now names both, in shuffle and in plan, and nothing is written."""
+    yaml = tmp_path / "gone.yaml"
+    yaml.write_text(
+        f"seq_len: 31\nseed: 7\nstages:\n  - name: s\n    epochs: 1\n    sources: {{{corpus}/web: 1}}\n"
+        "  - name: t\n    epochs: 1\n    sources: {nope: 1}\n"
+    )
+    for args in (
+        ["shuffle", "--schedule", yaml, "-o", tmp_path / "o"],
+        ["plan", "shuffle", "--schedule", yaml, "-o", tmp_path / "p"],
+    ):
+        code, lines = cli(*args)
+        assert code == 1 and lines == [
+            f"tokpack: error: {yaml} [stages[1].sources.nope]: a stage names a source that is not there; "
+            f"expected a packed source directory, found nothing at {tmp_path / 'nope'}. HINT: correct the path in "
+            "the schedule (a relative one is relative to the file's directory), or put the source there"
+        ], lines
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gone.yaml"]
+
+
+def test_a_stage_too_large_for_its_sources_names_the_stage_not_flags(corpus, tmp_path):
+    """A stage whose tokens take a source more than 10^5 times in one epoch was refused naming
+    the source directory and "--samples/--tokens/SOURCE=WEIGHT", flags a schedule run is not
+    given: the line names the schedule file and the stage's field, in shuffle and in plan."""
+    yaml = tmp_path / "huge.yaml"
+    yaml.write_text(
+        f"seq_len: 31\nseed: 7\nstages:\n  - name: s\n    epochs: 1\n    sources: {{{corpus}/web: 1}}\n"
+        f"  - name: t\n    tokens: 100T\n    sources: {{{corpus}/web: 1, {corpus}/code: 1}}\n"
+    )
+    for args in (
+        ["shuffle", "--schedule", yaml, "-o", tmp_path / "o"],
+        ["plan", "shuffle", "--schedule", yaml, "-o", tmp_path / "p"],
+    ):
+        code, lines = cli(*args)
+        assert code == 1 and len(lines) == 1, lines
+        assert lines[0].startswith(f"tokpack: error: {yaml} [stages[1].tokens]: passes over one source"), lines
+        assert "--samples" not in lines[0] and "lower the stage's tokens" in lines[0], lines
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["huge.yaml"]
+
+
 @pytest.mark.parametrize("spelling", ["./web", "weblink"])
 def test_a_stage_naming_one_source_twice_is_the_clis_line(corpus, tmp_path, spelling):
     """Issue 32: `web` and `./web` (or a symlink to web) in one stage is one source twice: the
@@ -620,6 +662,26 @@ def test_a_stage_naming_one_source_twice_is_the_clis_line(corpus, tmp_path, spel
         assert res.exit_code == 1 and "Traceback" not in res.stderr, res.stderr
         assert len(res.stderr.strip().splitlines()) == 1
         assert "the same source is given twice" in res.stderr and "give each source once" in res.stderr
+
+
+def test_shard_samples_given_beside_a_schedule_that_declares_it_is_refused_not_taken(corpus, tmp_path):
+    """`--shard-samples 20` beside a schedule declaring `shard_samples: 50` silently won over the
+    file (a run of 20-sample shards, the file saying 50). Refused in one line, naming the file,
+    nothing written; the file's own value, or a file silent about it, is taken as before."""
+    args = ["--schedule", corpus / "run.yaml", "--epoch", 3, "--memory", MEMORY]
+    for command in (["shuffle"], ["plan", "shuffle"]):
+        code, lines = cli(*command, *args, "-o", tmp_path / "a", "--shard-samples", 20)
+        assert code == 1 and lines == [
+            f"tokpack: error: {corpus / 'run.yaml'} [--shard-samples]: --shard-samples differs from the schedule's "
+            "shard_samples; expected 50, found 20. HINT: drop --shard-samples, or change shard_samples in the schedule"
+        ], lines
+    assert not (tmp_path / "a").exists()
+    assert cli("shuffle", *args, "-o", tmp_path / "b", "--shard-samples", 50)[0] == 0
+    assert read_manifest(tmp_path / "b")["shard_samples"] == 50
+    silent = corpus / "silent.yaml"  # beside the sources it names
+    silent.write_text(SCHEDULE.replace("shard_samples: 50\n", ""))
+    assert cli("shuffle", "--schedule", silent, "--epoch", 3, "-o", tmp_path / "c", "--shard-samples", 20)[0] == 0
+    assert read_manifest(tmp_path / "c")["shard_samples"] == 20
 
 
 def test_a_setting_the_schedule_declares_given_too_is_refused_not_ignored(corpus, tmp_path):

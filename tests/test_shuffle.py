@@ -454,6 +454,30 @@ def test_failure_midway_then_rerun_is_identical(sources, tmp_path, monkeypatch):
     assert scattered == [] and sorted(written) == list(range(3, n_shards)) and n_shards > 4
 
 
+def test_rerun_with_other_settings_after_a_failure_leaves_no_scratch_of_the_first(sources, tmp_path, monkeypatch):
+    """An out-of-core attempt stopped mid-epoch, then the epoch written with another seed: the
+    first attempt's bucket scratch (its own work folder) can never be resumed, and is removed
+    with the epoch's, not left in OUT for good."""
+    big, small = sources
+    kw = dict(seq_len=L, epochs=[0], memory=5000, shard_samples=60)
+    ref = tmp_path / "ref"
+    shuffle_run([str(big), str(small)], str(ref), seed=9, **kw)
+    out = tmp_path / "out"
+    real = steps.EpochJob.write_shard
+
+    def failing(self, i, blocks):
+        raise OSError("simulated crash")
+
+    monkeypatch.setattr(steps.EpochJob, "write_shard", failing)
+    with pytest.raises(TokpackError, match="simulated crash"):
+        shuffle_run([str(big), str(small)], str(out), seed=8, **kw)
+    assert any((out / run.WORK_DIR).rglob("*.rows"))  # the first attempt's scratch, kept for a rerun
+    monkeypatch.setattr(steps.EpochJob, "write_shard", real)
+    shuffle_run([str(big), str(small)], str(out), seed=9, **kw)
+    assert dir_files(out) == dir_files(ref)
+    assert not (out / run.WORK_DIR).exists()
+
+
 @pytest.mark.parametrize("shard", ["kept", "deleted", "edited"])
 def test_rerun_after_every_shard_writes_only_what_is_missing(sources, tmp_path, monkeypatch, shard):
     """Killed before the manifest: the rerun writes just the manifest. If a written shard was
@@ -618,3 +642,26 @@ def test_a_source_shard_cut_short_is_one_line_naming_it_before_anything_is_writt
     assert not (out / "tokpack.json").exists() and not list(
         out.glob("epoch-*/*.ds")
     )  # nothing that could pass for data
+
+
+def test_a_different_run_line_says_what_each_side_lacks_and_proposes_an_epoch_the_run_lacks(sources, tmp_path):
+    """A shuffle into a run made with other settings: a setting one side does not have (no
+    --holdout, no weights) was left out of the line ("expected {'fraction': '1/100'}." and no
+    "found"), and the --like hint proposed the first epoch asked even when the run held it (a
+    command that writes nothing). The line names both sides; the hint names the first epoch asked
+    that the run lacks, and none when it holds every one."""
+    big, small = sources
+    out = tmp_path / "out"
+    shuffle_run([str(big)], str(out), seq_len=L, seed=1, epochs=[0, 1], memory=1 << 30)
+    base = [big, "-o", out, "--seq-len", L, "--seed", 1]
+    for args, where, expected, found in (
+        ([*base, "--epochs", 2, "--holdout", "1%"], "holdout", "{'fraction': '1/100'}", "no holdout"),
+        ([f"{big}=0.5", *base[1:], "--epochs", 2], "weights", "['1']", "no weights"),
+    ):
+        line = run_cli(*args).stderr.strip()
+        assert f"[{where}]: output directory holds a different run; expected {expected}, found {found}." in line, line
+    line = run_cli(*base[:-1], 2, "--epochs", 2).stderr.strip()
+    assert "[seed]" in line and "--like" not in line, line
+    line = run_cli(*base[:-1], 2, "--epochs", 4).stderr.strip()
+    assert line.endswith(f"`tokpack shuffle --like {out} --epoch 2`"), line
+    assert read_manifest(out, kind="run")["epochs"] == [0, 1]
