@@ -30,6 +30,12 @@ class TokpackError(Exception):
         self.hint = hint
         super().__init__(str(self))
 
+    def with_hint(self, hint: str) -> "TokpackError":
+        """The same line with another hint: a caller that knows what the user gave says what to do."""
+        return type(self)(
+            self.message, file=self.file, where=self.where, expected=self.expected, found=self.found, hint=hint
+        )
+
     def __str__(self) -> str:
         parts = []
         if self.file:

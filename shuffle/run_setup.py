@@ -435,13 +435,8 @@ def existing_run(out: Path, to: Output = LocalOutput()) -> dict | None:
             if e.where != "kind":
                 raise
             # -o a source or an epoch: the format's line says which kind, not what to do
-            raise TokpackError(
-                e.message,
-                file=e.file,
-                where=e.where,
-                expected=e.expected,
-                found=e.found,
-                hint=f"-o takes a run directory (a new one, or one shuffle wrote), not a tokpack {e.found}: choose another -o",
+            raise e.with_hint(
+                f"-o takes a run directory (a new one, or one shuffle wrote), not a tokpack {e.found}: choose another -o"
             ) from None
     kept = to.where(out)
     listed = kept if kept.exists() else out

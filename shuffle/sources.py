@@ -63,13 +63,8 @@ def open_source(path, check_sizes: bool = True) -> PackedSource:
         if e.where != "kind" or e.hint is not None:
             raise
         # an epoch or run given as a SOURCE: the format's line says which kind, not what to give
-        raise TokpackError(
-            e.message,
-            file=e.file,
-            where=e.where,
-            expected=e.expected,
-            found=e.found,
-            hint="give a packed source (the directory `tokpack pack` writes); epochs and runs are shuffle's output",
+        raise e.with_hint(
+            "give a packed source (the directory `tokpack pack` writes); epochs and runs are shuffle's output"
         ) from None
 
 
