@@ -22,7 +22,14 @@ from tokpack.formats.reading import read_manifest
 from tokpack.formats.hashes import row_hashes
 from tokpack.formats.numbering import EpochNumbering
 from tokpack.formats.shards import RowFacts, contained_shard, tokens_on_nodes
-from tokpack.formats.slices import RankRows, contained_epoch_dir, missing_padding, slice_epoch_problems, run_identity
+from tokpack.formats.slices import (
+    RankRows,
+    contained_epoch_dir,
+    epoch_disagreements,
+    missing_padding,
+    run_identity,
+    slice_epoch_problems,
+)
 
 
 def slice_shard_jobs(path: Path, root: dict, rep, quick: bool) -> list:
@@ -163,6 +170,13 @@ def slice_against_run(path: Path, root: dict, run_path, rep, block: int = IO_BLO
             )
             continue
         em = read_manifest(rd, kind=EPOCH)
+        # the run's epoch must be the run's own: one of another run (another seed) put in its
+        # place, and staged before stage refused that, would prove a slice of other rows OK
+        wrong = next(epoch_disagreements(run, e, em), None)
+        if wrong is not None:
+            where, expected, found, message = wrong
+            rep.add(rd / MANIFEST, where, expected, found, message)
+            continue
         shards = RowFacts(em, row_bytes, _local_blocks(rd, em, row_bytes), str(rd), "run `tokpack validate` on the run")
         with tempfile.TemporaryDirectory(prefix="tokpack-validate-") as work:  # a best-fit row table, rebuilt
             replay = None

@@ -594,6 +594,32 @@ def test_validate_a_slice_alone_and_against_its_run(run, tmp_path):
     assert code != 0 and f"rank-00001.ds [row {row} (byte {row * (SEQ + 1) * 2})]: checksum mismatch" in out, out
 
 
+def test_validate_against_a_run_holding_another_runs_epoch_refuses_a_slice_staged_from_it(
+    source, run, tmp_path, monkeypatch
+):
+    """A run whose epoch 1 is another run's (seed 7), and a slice staged from it before stage
+    refused such a run: `validate SLICE --against RUN` proved the slice's rows against that
+    epoch's row hashes and said OK. It now checks each of RUN's epochs against RUN's manifest,
+    as `validate RUN` does, and names the field."""
+    import shutil
+
+    from tokpack.packer import slicing
+
+    mixed, other = tmp_path / "mixed", make_run(tmp_path / "other", source, [0, 1], seed=7)
+    shutil.copytree(run, mixed)
+    shutil.rmtree(mixed / epoch_dir_name(1))
+    shutil.copytree(other / epoch_dir_name(1), mixed / epoch_dir_name(1))
+    monkeypatch.setattr(slicing, "epoch_of_run_error", lambda *a, **k: None)  # the stage of before
+    s = tmp_path / "s"
+    stage_slice(str(mixed), s, ranks="1-2", world_size=W, micro_batch=M)
+    code, out = cli("validate", s)
+    assert code == 0, out  # the slice agrees with itself
+    code, out = cli("validate", s, "--against", mixed)
+    assert code == 1 and "epoch-00001/tokpack.json [seed]: epoch manifest belongs to another run" in out, out
+    code, out = cli("validate", s, "--against", run)
+    assert code == 1, out  # against the run it claims, its epoch 1 is another version
+
+
 def test_plan_stage_predicts_the_slice_and_the_old_path_says_whole_run_copy(run, tmp_path):
     """`plan stage --ranks A-B --world-size W`: the bytes a node keeps and reads, as the stage
     then counts them; the shard-level `--ranks r/W` says on one line that it copies the whole
