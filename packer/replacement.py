@@ -37,7 +37,7 @@ from tokpack.packer.lifetime import children_bound, set_parent_death_signal
 from tokpack.packer.rank_files import RankFiles, ready_epoch_dir
 from tokpack.packer.shared import Result
 from tokpack.packer.stage_dest import epoch_in_place, finish_slice_root, own_dest, read_raw, slice_root_of_run
-from tokpack.packer.run_checks import epoch_of_run_error
+from tokpack.packer.run_checks import refuse_epoch_of_another_run
 from tokpack.packer.stage_plan import listed_epochs, slice_ranks
 from tokpack.packer.source_reads import SourceReader
 from tokpack.shuffle import packings
@@ -110,9 +110,7 @@ def stage_replacement(
         chosen = listed_epochs(run, str(out), epochs)
         for e in chosen:  # each epoch this run's, before anything is written (another run's would be rebuilt as its)
             path = out / epoch_dir_name(e) / MANIFEST
-            err = epoch_of_run_error(run, str(out), e, parse_manifest(read_raw(path), path, EPOCH), str(path))
-            if err is not None:
-                raise err
+            refuse_epoch_of_another_run(run, str(out), e, parse_manifest(read_raw(path), path, EPOCH), str(path))
         output: Output = LocalOutput()
         read = kept = parts = per_part = reads = depth = 0
         for e in chosen:

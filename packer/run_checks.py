@@ -207,27 +207,26 @@ def check_run(path: Path, m: dict, rep: DirReport, quick: bool, plan: list["Dir"
                 rep.add(mfile, key, f"{totals[i]} (sum over its epochs)", m[key], f"run {key} count wrong")
 
 
-def epoch_of_run_error(m: dict, run_dir: str, e: int, em: dict, efile: str) -> TokpackError | None:
-    """The first way epoch e's manifest `em` disagrees with its run's `m`, as validate finds it
-    (its schedule aside), as one line; None when it agrees. A stage refuses such a run before
-    writing: an epoch reshuffled with another seed or sources, copied in or edited, staged beside
-    the run's other epochs, would be served as this run's."""
+def refuse_epoch_of_another_run(m: dict, run_dir: str, e: int, em: dict, efile: str) -> None:
+    """One line at the first way epoch e's manifest `em` disagrees with its run's `m`, as
+    validate finds it (its schedule aside). A stage refuses such a run before writing: an epoch
+    reshuffled with another seed or sources, copied in or edited, staged beside the run's other
+    epochs, would be served as this run's."""
     found = []
     _check_epoch_of_run(
         m, e, em, efile, None, EpochNumbering.of_run(m, run_dir), lambda *problem: found.append(problem)
     )
-    if not found:
-        return None
-    file, where, expected, got, message = found[0]
-    return TokpackError(
-        message,
-        file=file,
-        where=where,
-        expected=expected,
-        found=got,
-        hint=f"the epoch was written by another run or edited: run `tokpack validate {run_dir}`, then restore "
-        f"the epoch, or remove its folder and rewrite it with `{shuffle_command(m, run_dir, e)}`",
-    )
+    if found:
+        file, where, expected, got, message = found[0]
+        raise TokpackError(
+            message,
+            file=file,
+            where=where,
+            expected=expected,
+            found=got,
+            hint=f"the epoch was written by another run or edited: run `tokpack validate {run_dir}`, then restore "
+            f"the epoch, or remove its folder and rewrite it with `{shuffle_command(m, run_dir, e)}`",
+        )
 
 
 def _check_epoch_of_run(m: dict, e: int, em: dict, efile: str, sched, numbering: EpochNumbering, add) -> None:

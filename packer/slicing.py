@@ -46,7 +46,7 @@ from tokpack.formats.shards import RowFacts, contained_shard, shard_files
 from tokpack.formats.slices import RankRows, run_identity, slice_epoch_manifest, slice_manifest
 
 from tokpack.packer.rank_files import RankFiles, ready_epoch_dir
-from tokpack.packer.run_checks import epoch_of_run_error
+from tokpack.packer.run_checks import refuse_epoch_of_another_run
 from tokpack.packer.shared import Result
 from tokpack.packer.stage_dest import epoch_in_place, local_dest, on_disk, previous_slice, small_json
 from tokpack.packer.stage_plan import Source, listed_epochs, refuse_tokens_on_nodes, slice_ranks
@@ -383,9 +383,8 @@ def plan_slice(
     header = SLICE_HEADER_BYTES + len(canonical_bytes(run_identity(run)))
     for e in chosen:
         m = src.manifest(epoch_dir_name(e), kind=EPOCH)
-        err = epoch_of_run_error(run, src.path, e, m, src.at(f"{epoch_dir_name(e)}/{MANIFEST}"))
-        if err is not None:  # another run's epoch, sliced beside this run's, would be fed as this run's
-            raise err
+        # another run's epoch, sliced beside this run's, would be fed as this run's
+        refuse_epoch_of_another_run(run, src.path, e, m, src.at(f"{epoch_dir_name(e)}/{MANIFEST}"))
         first, n = numbering.first(e), numbering.size(e)
         per_rank = [rows.rows(r, first, first + n) for r in range(a, b + 1)]
         kept[e] = sum(per_rank) * row_bytes

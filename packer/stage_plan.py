@@ -25,7 +25,7 @@ from tokpack.formats.shards import contained_shard, shard_files, tokens_on_nodes
 from tokpack.formats.token_check import ROWS, token_check
 from tokpack.formats.slices import RankRows
 from tokpack.formats.units import at_most, digits
-from tokpack.packer.run_checks import epoch_of_run_error
+from tokpack.packer.run_checks import refuse_epoch_of_another_run
 
 # Per-worker copy buffer. Large blocks keep a disk or an object store streaming; with a
 # handful of workers the memory stays at workers x STAGE_BLOCK.
@@ -514,9 +514,7 @@ def make_plan(src: Source, epochs=None, ranks=None, micro_batch: int = 1) -> tup
         )
     manifests = [src.manifest(epoch_dir_name(e), kind=EPOCH) for e in chosen]
     for e, m in zip(chosen, manifests):  # each epoch this run's, as validate checks it: never another run's copied
-        err = epoch_of_run_error(root, src.path, e, m, src.at(join_rel(epoch_dir_name(e), MANIFEST)))
-        if err is not None:
-            raise err
+        refuse_epoch_of_another_run(root, src.path, e, m, src.at(join_rel(epoch_dir_name(e), MANIFEST)))
         refuse_tokens_on_nodes(src, epoch_dir_name(e), m)
     # A reader of DEST numbers samples as the run does (epoch e starts at numbering.first(e)),
     # so the ranks' shards are chosen at those positions, not where the staged epochs chain.

@@ -609,7 +609,7 @@ def test_validate_against_a_run_holding_another_runs_epoch_refuses_a_slice_stage
     shutil.copytree(run, mixed)
     shutil.rmtree(mixed / epoch_dir_name(1))
     shutil.copytree(other / epoch_dir_name(1), mixed / epoch_dir_name(1))
-    monkeypatch.setattr(slicing, "epoch_of_run_error", lambda *a, **k: None)  # the stage of before
+    monkeypatch.setattr(slicing, "refuse_epoch_of_another_run", lambda *a, **k: None)  # the stage of before
     s = tmp_path / "s"
     stage_slice(str(mixed), s, ranks="1-2", world_size=W, micro_batch=M)
     code, out = cli("validate", s)
