@@ -10,6 +10,8 @@ formats/units.py, the parser the CLI uses, so `tokens="3M"` means what `--tokens
 from __future__ import annotations
 
 import numbers
+import os
+from collections.abc import Iterable
 
 from .errors import TokpackError
 from .units import MAX_COUNT, byte_size, number, token_count
@@ -91,3 +93,37 @@ def positive_number(value, name: str, *, optional: bool = True, most: float = 1e
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TokpackError(f"{name} must be a number > 0", where=name, expected="> 0", found=repr(value))
     return number(value, name, least=0, most=most, real=True, above=True)
+
+
+def path(value, name: str, *, optional: bool = True):
+    """A path or URL: a str or an os.PathLike (pathlib.Path), not None where one is needed, an int
+    or bytes, which str() would turn into a folder named "None" or "5" in the working directory."""
+    if value is None and optional:
+        return None
+    if not isinstance(value, (str, os.PathLike)) or isinstance(value, str) and not value:
+        raise TokpackError(
+            f"{name} must be a path",
+            where=name,
+            expected="a str or pathlib.Path (a local path or an fsspec URL)",
+            found=repr(value)[:80],
+        )
+    return value
+
+
+def paths(value, name: str, *, least: int = 0) -> list:
+    """A path, or an iterable of them (a list, a tuple, a generator: taken once), as a list of at
+    least `least` paths."""
+    if isinstance(value, (str, os.PathLike)):
+        items = [value]
+    elif isinstance(value, Iterable) and not isinstance(value, (bytes, bytearray, dict)):
+        items = list(value)
+    else:
+        items = None
+    if items is None or not all(isinstance(v, (str, os.PathLike)) and v != "" for v in items):
+        shown = value if items is None else items
+        raise TokpackError(
+            "must be a path or a sequence of paths", where=name, expected="str or pathlib.Path", found=repr(shown)[:80]
+        )
+    if len(items) < least:
+        raise TokpackError(f"{name} names no path", where=name, expected=f"at least {least} path", found=items)
+    return items

@@ -36,6 +36,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from tokpack.formats import arguments
 from tokpack.formats.arguments import flag, text, tokens, whole
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io.paths import as_path, is_url
@@ -138,7 +139,7 @@ class SampleReader(ShardFiles):
         """A run directory (its epochs in the order of its manifest's `epochs`), one epoch
         directory, or a list of either, chained in the order given."""
         flag(verify, "verify")
-        paths = [path] if isinstance(path, (str, Path)) else list(path)
+        paths = arguments.paths(path, "path")  # None or an int: one line, not a TypeError from list()
         epochs: list[tuple[Path, dict]] = []
         absent: dict[str, str] = {}
         numbering = run = None

@@ -11,7 +11,8 @@ import dataclasses
 import os
 import functools
 import inspect as _signature
-from collections.abc import Sequence
+import numbers
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 
@@ -28,18 +29,69 @@ if TYPE_CHECKING:  # the stages build their results; importing them here would i
 
 
 def _epochs(value, name):
-    """shuffle's `epochs`: a count (>= 1) or a sequence of epoch numbers (>= 0)."""
-    if value is None or isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+    """shuffle's `epochs`: a count (>= 1) or a sequence of epoch numbers (>= 0), each once (a
+    number given twice wrote its epoch twice, and an empty list wrote nothing and reported success)."""
+    if value is None or isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
         return arguments.whole(value, name, least=1)
-    return [arguments.whole(e, f"{name}[{i}]", optional=False) for i, e in enumerate(value)]
+    value = list(value)  # a range, a generator or a numpy array of epoch numbers as a list
+    numbers_ = [arguments.whole(e, f"{name}[{i}]", optional=False) for i, e in enumerate(value)]
+    twice = sorted({e for e in numbers_ if numbers_.count(e) > 1})
+    if not numbers_ or twice:
+        raise TokpackError(
+            f"{name} must name each epoch once" if twice else f"{name} names no epoch",
+            where=name,
+            expected="a count >= 1, or a list of distinct epoch numbers",
+            found=f"{twice[0]} twice" if twice else "[]",
+        )
+    return numbers_
 
 
-def _paths(value, name):
-    """A path, or a sequence of paths (str or os.PathLike), as the functions taking them accept."""
-    items = [value] if isinstance(value, (str, os.PathLike)) else value if isinstance(value, Sequence) else None
-    if items is None or not all(isinstance(v, (str, os.PathLike)) for v in items):
-        raise TokpackError("must be a path or a sequence of paths", where=name, found=repr(value)[:80])
+def _dirs(value, name):
+    """validate's DIRs: one path or more (the command's usage error without any: an empty list
+    validated nothing, and a CI gate fed an empty glob passed)."""
+    items = arguments.paths(value, name)
+    if not items:
+        raise UsageError(f"give one or more DIRs to validate ({name} is empty)")
+    return items
+
+
+def _log(value, name):
+    """A callable taking each progress line (None: none), refused before a stage calls it midway."""
+    if value is not None and not callable(value):
+        raise TokpackError(
+            f"{name} must be a callable or None", where=name, expected="log(line: str)", found=repr(value)
+        )
     return value
+
+
+def _sources(value, name):
+    """shuffle's SOURCEs: a path, an iterable of paths or (path, weight) pairs, or a mapping path ->
+    weight (a number, or text as on the command line); what a weight's number is, the parser of
+    weights checks (tokpack.formats.units)."""
+    if value is None or isinstance(value, (str, os.PathLike)):
+        return arguments.path(value, name)
+    if isinstance(value, Mapping):
+        pairs = list(value.items())
+    elif isinstance(value, Iterable) and not isinstance(value, (bytes, bytearray)):
+        pairs = [item if isinstance(item, tuple) else (item, None) for item in value]
+    else:
+        return arguments.paths(value, name)  # not a path: its line
+    for i, pair in enumerate(pairs):
+        where = f"{name}[{i}]"
+        if len(pair) != 2:
+            raise TokpackError(
+                "a weighted source is a (path, weight) pair", where=where, expected="2 items", found=repr(pair)[:80]
+            )
+        arguments.path(pair[0], where, optional=False)
+        weight = pair[1]
+        if weight is not None and not isinstance(weight, (str, numbers.Real)):  # a bool: the weights' parser refuses
+            raise TokpackError(
+                "a source's weight must be a number or text",
+                where=f"weight of {pair[0]}",
+                expected="a number like 0.3 or 2, or text like '1/3' or '70%'",
+                found=repr(weight)[:80],
+            )
+    return value if isinstance(value, Mapping) else pairs
 
 
 def _executor(value, name):
@@ -47,6 +99,10 @@ def _executor(value, name):
         return None
     if not isinstance(value, ExecutorConfig):
         raise TokpackError(f"{name} must be an ExecutorConfig", where=name, found=repr(value))
+    from tokpack.packer.executors import EXECUTORS  # at the call: it imports datatrove's logger
+
+    # an unknown executor was found once the output's epoch folder was made
+    arguments.text(value.executor, f"{name}.executor", optional=False, choices=EXECUTORS)
     arguments.whole(value.workers, f"{name}.workers", least=1, optional=False)
     arguments.whole(value.tasks, f"{name}.tasks", least=1)
     return value
@@ -55,11 +111,12 @@ def _executor(value, name):
 _REQUIRED = {"optional": False}
 _COUNT = {n: ("whole", {"least": n}) for n in (0, 1)}
 _TEXT, _FLAG, _MAYBE_FLAG = ("text", {}), ("flag", {}), ("flag", {"optional": True})
+_PATH = ("path", {})
 
 # Each public function's arguments, checked as the CLI's option types check the same options
 # (packer/cli.py): the same ranges, unit strings through the same parsers (tokpack.formats.arguments:
-# a check's name there, and its keywords). An argument not named here (paths, sources, a log
-# callable) is checked by the stage that uses it.
+# a check's name there, and its keywords); paths are a str or os.PathLike (str() made a folder
+# named "None" of a None output), sources and a log callable likewise checked before a stage runs.
 ARGUMENTS = {
     "pack": {
         "input_format": ("text", _REQUIRED),
@@ -73,6 +130,10 @@ ARGUMENTS = {
         "executor": _executor,
         "link": _FLAG,
         "append_eos": _FLAG,
+        "inputs": ("paths", {}),
+        "output": ("path", _REQUIRED),
+        "scratch": _PATH,
+        "log": _log,
     },
     "shuffle": {
         "seq_len": _COUNT[1],
@@ -92,10 +153,13 @@ ARGUMENTS = {
         "micro_batch": _COUNT[1],
         "procs_per_node": _COUNT[1],
         "stall_timeout": ("positive_number", {}),
+        "sources": _sources,
+        **{name: _PATH for name in ("output", "schedule", "scratch", "like", "to_nodes", "keep_sources")},
+        "log": _log,
     },
     "validate": {
-        "dirs": _paths,
-        "against": _paths,
+        "dirs": _dirs,
+        "against": ("paths", {}),
         "quick": _FLAG,
         "workers": ("whole", {"least": 1, **_REQUIRED}),
         "show_progress": _MAYBE_FLAG,
@@ -110,6 +174,9 @@ ARGUMENTS = {
         "ranks_per_node": _COUNT[1],
         "start_sample": ("whole", _REQUIRED),
         "memory": ("size", {}),
+        "directory": ("path", _REQUIRED),
+        "dest": ("path", _REQUIRED),
+        "log": _log,
     },
     "read": {
         "rank": ("whole", _REQUIRED),
@@ -127,6 +194,8 @@ ARGUMENTS = {
         "epoch": _COUNT[0],
         "memory": ("size", {}),
         "documents_per_row": _FLAG,
+        "directory": ("path", _REQUIRED),
+        "plot": _PATH,
     },
 }
 

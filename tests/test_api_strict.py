@@ -114,6 +114,66 @@ def test_api_refuses_bad_arguments_before_touching_a_path(call, words):
     one_line(e, *words)
 
 
+# Found trying the API as a training script would (not the CLI): a path argument of the wrong
+# type was str()-ed into a folder named "None" or "5" in the working directory, or raised a bare
+# TypeError/ValueError/AttributeError from deep inside (after writing an epoch folder, for `log`).
+@pytest.mark.parametrize(
+    "call, words",
+    [
+        (lambda src: api.pack(src / "x.jsonl", None, eos_id=0), ("[output]", "must be a path", "None")),
+        (lambda src: api.pack(None, "o", eos_id=0), ("[inputs]", "a path or a sequence of paths")),
+        (lambda src: api.pack(3, "o", eos_id=0), ("[inputs]", "found 3")),
+        (lambda src: api.shuffle(src, 5, seq_len=SEQ, seed=1), ("[output]", "found 5")),
+        (lambda src: api.shuffle(5, "o", seq_len=SEQ, seed=1), ("[sources]", "found 5")),
+        (lambda src: api.shuffle([None], "o", seq_len=SEQ, seed=1), ("[sources[0]]", "must be a path")),
+        (lambda src: api.shuffle([(src, 1, 2)], "o", seq_len=SEQ, seed=1), ("[sources[0]]", "(path, weight) pair")),
+        (lambda src: api.shuffle({src: [1]}, "o", seq_len=SEQ, seed=1), ("weight must be a number or text",)),
+        (lambda src: api.shuffle(None, "o", schedule=3), ("[schedule]", "found 3")),
+        (lambda src: api.shuffle(src, "o", seq_len=SEQ, seed=1, scratch=3), ("[scratch]",)),
+        (lambda src: api.shuffle(src, "o", seq_len=SEQ, seed=1, log=3), ("[log]", "callable")),
+        (lambda src: api.pack(src, "o", log="verbose"), ("[log]", "callable")),
+        (
+            lambda src: api.shuffle(src, "o", seq_len=SEQ, seed=1, epochs=[0, 0]),
+            ("[epochs]", "each epoch once", "0 twice"),
+        ),
+        (lambda src: api.shuffle(src, "o", seq_len=SEQ, seed=1, epochs=[]), ("[epochs]", "names no epoch")),
+        (
+            lambda src: api.shuffle(src, "o", seq_len=SEQ, seed=1, executor=api.ExecutorConfig(executor="slurmm")),
+            ("[executor.executor]", "'slurmm'"),
+        ),
+        (lambda src: api.stage(src, None), ("[dest]", "None")),
+        (lambda src: api.inspect(None), ("[directory]", "must be a path")),
+        (lambda src: api.inspect(src, plot=3), ("[plot]", "found 3")),
+        (lambda src: SampleReader.open(None), ("[path]", "a path or a sequence of paths", "found None")),
+        (lambda src: SampleReader.open(b"run"), ("[path]", "found b'run'")),
+        (lambda src: TokpackDataset(7), ("[path]", "found 7")),
+    ],
+)
+def test_wrong_path_and_callable_types_are_one_line_and_write_nothing(run, tmp_path, monkeypatch, call, words):
+    src = Path(run).parent / "src"
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(TokpackError) as e:
+        call(src)
+    one_line(e, *words)
+    assert list(tmp_path.iterdir()) == []  # no folder "None", "5" or "o" begun
+
+
+def test_validate_of_no_directory_is_the_usage_error(tmp_path):
+    """validate([]) reported ok=True having validated nothing (a CI gate over an empty glob
+    passed); `tokpack validate` without DIRS is a usage error."""
+    with pytest.raises(api.UsageError, match="give one or more DIRs"):
+        api.validate([])
+
+
+def test_epochs_as_any_iterable_of_numbers(run, tmp_path):
+    """A generator or numpy array of epoch numbers is a list of them (it was 'epochs must be an
+    integer', though a list is what it is)."""
+    src = Path(run).parent / "src"
+    kw = dict(seq_len=SEQ, seed=1, samples=N, shard_samples=8)
+    assert api.shuffle(src, tmp_path / "g", epochs=(e for e in [1]), **kw).epochs == [1]
+    assert api.shuffle(src, tmp_path / "a", epochs=np.array([0]), **kw).epochs == [0]
+
+
 def test_api_takes_unit_strings_as_the_cli_does(run, tmp_path):
     src = Path(run).parent / "src"
     got = api.shuffle(src, tmp_path / "r", seq_len=SEQ, seed=1, tokens="1K", memory="64MiB", shard_samples=8)
