@@ -32,7 +32,10 @@ from .constants import LOCK_NAME
 _LOCK_TEMPORARY = re.compile(re.escape(f".{LOCK_NAME}.tmp-") + r"([0-9]+)-[0-9a-f]{8}")
 MAX_LOCK_BYTES = 1 << 12  # a lock names a host, a pid and a command line: a larger file is not one of ours
 
-_held: dict[str, int] = {}  # lock path -> nesting depth, for this process
+# lock path -> (the thread holding it, nesting depth), for this process. Nesting is one thread's
+# (an API entry point calling another); two threads of one process writing one directory at once
+# (a notebook's thread pool) are two commands: both once took the lock, and wrote a corrupt epoch.
+_held: dict[str, tuple[int, int]] = {}
 _held_guard = threading.Lock()
 
 
@@ -149,9 +152,17 @@ class OutputLock:
     def acquire(self) -> "OutputLock":
         key = str(self.path.absolute())
         with _held_guard:
-            if key in _held:
-                _held[key] += 1  # this process holds it already: an API entry point calling another
+            owner, depth = _held.get(key, (None, 0))
+            if owner == threading.get_ident():
+                _held[key] = (owner, depth + 1)  # this thread holds it already: an API entry point calling another
                 return self
+            if owner is not None:
+                raise TokpackError(
+                    "output directory is in use by another tokpack command (another thread of this process, "
+                    f"pid {os.getpid()})",
+                    file=self.path,
+                    hint="wait for it to finish, or write to another directory",
+                )
         try:
             if self.directory.is_symlink() and not self.directory.exists():
                 os.stat(self.directory)  # a symlink loop or a dangling link: its own error (ELOOP, ENOENT)
@@ -228,7 +239,7 @@ class OutputLock:
         finally:
             tmp.unlink(missing_ok=True)
         with _held_guard:
-            _held[key] = 1
+            _held[key] = (threading.get_ident(), 1)
         self._remove_dead_temporaries()
         return self
 
@@ -265,9 +276,9 @@ class OutputLock:
     def release(self) -> None:
         key = str(self.path.absolute())
         with _held_guard:
-            depth = _held.get(key, 0)
+            owner, depth = _held.get(key, (None, 0))
             if depth > 1:
-                _held[key] = depth - 1
+                _held[key] = (owner, depth - 1)
                 return
             _held.pop(key, None)
         holder = self._read(self.path)

@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -69,6 +70,31 @@ def test_nested_acquire_in_one_process_keeps_the_lock_until_the_outer_release(tm
     inner.release()
     assert (tmp_path / LOCK_NAME).exists()
     outer.release()
+    assert not (tmp_path / LOCK_NAME).exists()
+
+
+def test_another_thread_of_the_process_is_another_command(tmp_path):
+    """Nesting is one thread's: two threads of one process (a notebook's thread pool running two
+    shuffles to one -o) both took the lock, wrote the same epoch at once and left it CORRUPT
+    (found through the Python API). The second thread is refused, as another process would be,
+    and the holder keeps the lock."""
+    held = OutputLock(tmp_path, "tokpack shuffle").acquire()
+    seen = []
+
+    def second():
+        try:
+            OutputLock(tmp_path, "tokpack shuffle").acquire()
+            seen.append("acquired")
+        except TokpackError as e:
+            seen.append(str(e))
+
+    t = threading.Thread(target=second)
+    t.start()
+    t.join()
+    assert len(seen) == 1 and "in use by another tokpack command" in seen[0], seen
+    assert "another thread of this process" in seen[0] and "\n" not in seen[0]
+    assert (tmp_path / LOCK_NAME).exists()
+    held.release()
     assert not (tmp_path / LOCK_NAME).exists()
 
 
