@@ -410,6 +410,7 @@ def _run(node: Node, spec: ShuffleSpec, out: Path, dests, template: str, ranks, 
     summary = run_summary(setup, str(out.absolute()), final["epochs"], summaries, skipped, seconds)
     del summary["seconds"], summary["epochs_detail"]  # this report's are last, after the node's own
     return {
+        "ok": True,  # first, as every command's --json (docs/COMMANDS.md); a script tests it whatever it ran
         **summary,
         "node": n,
         "nodes": N,

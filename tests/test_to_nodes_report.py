@@ -101,3 +101,13 @@ def test_plan_to_nodes_gives_the_warnings_shuffle_gives(upsampled, tmp_path):
         M,
     )
     assert plain["warnings"] and set(plain["warnings"]) <= set(nodes["warnings"]), nodes["warnings"]
+
+
+def test_the_summary_says_ok_first_as_every_commands_json(upsampled, tmp_path):
+    """docs/COMMANDS.md: every command's --json starts with "ok": true; `shuffle --to-nodes`'s
+    (and the dict tokpack.shuffle(..., to_nodes=...) returns, the same object) had no "ok", so a
+    script reading `["ok"]` of each command's line failed on it. One process, one node: no MPI."""
+    nodes = ["--to-nodes", tmp_path / "n{node}", "--ranks-per-node", K, "--micro-batch", M]
+    done = _json("shuffle", *upsampled, "--memory", MEMORY, "-o", tmp_path / "run", *nodes)
+    assert next(iter(done)) == "ok" and done["ok"] is True, list(done)[:3]
+    assert done["nodes"] == 1 and done["epochs"] == [0, 1]
