@@ -216,6 +216,26 @@ def _worker_snapshots(loader_state) -> dict:
 _PER_WORKER = "one TokpackDataset state per worker"
 
 
+def _batch_consumed(batch) -> int:
+    """The consumed-sample count after `batch`, a batch a loader over a TokpackDataset returned:
+    its 0-d `consumed_samples`, or a collating loader's (its micro-batches' counts stacked, in
+    order: the last). A trainer's form drops the count, so it names no position: one line, as
+    for anything else (int() of it was a KeyError, a ValueError, or a negative epoch)."""
+    value = batch.get("consumed_samples") if isinstance(batch, dict) else None
+    if isinstance(value, torch.Tensor) and value.ndim == 1 and len(value):
+        value = value[-1]
+    if isinstance(value, torch.Tensor) and value.ndim == 0 and not value.is_floating_point():
+        value = value.item()
+    if value is None:
+        raise TokpackError(
+            "state_dict(batch) takes a batch the loader returned, with its consumed_samples",
+            where="batch",
+            expected="a TokpackDataset batch (before a trainer form such as hf_flat_batch, which drops the count)",
+            found=type(batch).__name__ if not isinstance(batch, dict) else f"keys {sorted(map(str, batch))}"[:120],
+        )
+    return whole(value, "batch consumed_samples", optional=False)
+
+
 def _foreign(where: str, expected: str, found, hint: str | None = None) -> TokpackError:
     """A loader state that is not a StatefulDataLoader's over a TokpackDataset: one line."""
     message = "not a StatefulDataLoader state of a TokpackDataset"
@@ -438,7 +458,7 @@ class TokpackDataset(IterableDataset):
         a batch the loader returned, {"epoch", "sample", "consumed_samples"}. In the main process
         while workers iterate, only the batch form is known."""
         if batch is not None:
-            return self._position(int(batch["consumed_samples"]))
+            return self._position(_batch_consumed(batch))
         info = get_worker_info()
         if info is not None:
             if self._stream is not None:

@@ -293,6 +293,40 @@ def test_end_of_run_states_still_load(run):
     assert ds.consumed == 5
 
 
+@pytest.mark.parametrize(
+    "batch, words",
+    [
+        ({"input_ids": torch.zeros(1, 2)}, ("[batch]", "before a trainer form", "keys ['input_ids']")),
+        ([1], ("[batch]", "found list")),
+        ({"consumed_samples": -5}, ("[batch consumed_samples]", "out of range")),
+        ({"consumed_samples": 3.7}, ("[batch consumed_samples]", "must be an integer")),
+        ({"consumed_samples": torch.tensor(2.0)}, ("[batch consumed_samples]", "must be an integer")),
+    ],
+)
+def test_state_dict_of_a_batch_that_names_no_position(run, batch, words):
+    """ds.state_dict(batch) of a trainer's form (it drops consumed_samples), a non-dict or a bad
+    count was a KeyError, a TypeError or a ValueError from int(), and -5 gave epoch -1: found
+    handing it what a training loop holds."""
+    ds = TokpackDataset(run, positions=None)
+    with pytest.raises(TokpackError) as e:
+        ds.state_dict(batch)
+    one_line(e, *words)
+
+
+def test_state_dict_of_a_collated_batch_is_the_position_after_it(run):
+    """A collating loader stacks consumed_samples (docs/API.md): the position after its batch is
+    after its last micro-batch (int() of the stacked tensor was a ValueError)."""
+    ds = TokpackDataset(run, positions=None, micro_batch=2)
+    loader = torch.utils.data.DataLoader(ds, batch_size=3)
+    first = next(iter(loader))
+    assert first["consumed_samples"].tolist() == [2, 4, 6]
+    state = ds.state_dict(first)
+    assert state["consumed_samples"] == 6
+    again = TokpackDataset(run, positions=None, micro_batch=2)
+    again.load_state_dict(state)
+    assert int(next(iter(again))["consumed_samples"]) == 8
+
+
 def _saved(run, workers: int) -> dict:
     ds = TokpackDataset(run, positions=None, micro_batch=2)
     loader = StatefulDataLoader(ds, batch_size=None, num_workers=workers)
