@@ -531,9 +531,15 @@ class TokpackDataset(IterableDataset):
             self._worker_resume = self._checked_share(state)
             return
         if "epoch" in state:
-            g = self.reader.position(_state_int(state, "epoch"), _state_int(state, "sample"))
-            # Both forms saved: they must name one sample (an edited count was ignored here).
-            if "consumed_samples" in state and _state_int(state, "consumed_samples") != g:
+            epoch, sample = _state_int(state, "epoch"), _state_int(state, "sample")
+            g = self.reader.position(epoch, sample)
+            # Both forms saved: they must name one sample (an edited count was ignored here). A
+            # chain of epoch directories may hold one epoch number twice (epoch 0 of two runs):
+            # (epoch, sample) names the first; its count says which, and must be one it names.
+            counted = _state_int(state, "consumed_samples") if "consumed_samples" in state else g
+            if counted != g and self.reader.epoch_sample(counted) == (epoch, sample):
+                g = counted
+            if counted != g:
                 raise TokpackError(
                     "loader state is damaged: its consumed_samples is not the sample its epoch and sample name",
                     where="loader state consumed_samples",

@@ -327,6 +327,25 @@ def test_state_dict_of_a_collated_batch_is_the_position_after_it(run):
     assert int(next(iter(again))["consumed_samples"]) == 8
 
 
+def test_a_chain_holding_one_epoch_number_twice_resumes_from_its_own_state(run):
+    """A chain of epoch directories may hold one epoch number twice (epoch 0 of two runs, here the
+    same one twice): the state saved in the second was refused at its load as "damaged", since
+    its (epoch, sample) also names a sample of the first. Found resuming such a chain."""
+    chain = [Path(run) / epoch_dir_name(0)] * 2
+    ds = TokpackDataset(chain, positions=None, micro_batch=2, read_ahead=False)
+    batches = iter(ds)
+    for _ in range(30):
+        next(batches)
+    state = ds.state_dict()
+    assert (state["epoch"], state["sample"], state["consumed_samples"]) == (0, 60 - N, 60)
+    again = TokpackDataset(chain, positions=None, micro_batch=2)
+    again.load_state_dict(state)
+    assert again.consumed == 60 and int(next(iter(again))["consumed_samples"]) == 62
+    with pytest.raises(TokpackError) as e:  # a count neither occurrence's (epoch, sample) names is still refused
+        again.load_state_dict({**state, "consumed_samples": 61})
+    one_line(e, "damaged")
+
+
 def _saved(run, workers: int) -> dict:
     ds = TokpackDataset(run, positions=None, micro_batch=2)
     loader = StatefulDataLoader(ds, batch_size=None, num_workers=workers)
