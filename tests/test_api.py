@@ -261,3 +261,20 @@ def test_api_names_survive_importing_the_modules():
         tokpack.packer.stage,
         tokpack.packer.inspect,
     ) == (pack, shuffle, validate, stage, inspect)
+
+
+def test_shuffle_goes_to_a_process_pool_as_pack_does(sources, tmp_path):
+    """`from tokpack import shuffle` is the subpackage made callable (tokpack/__init__.py); a module
+    cannot be pickled, so `pool.submit(shuffle, ...)` was "cannot pickle '_ShufflePackage'
+    object" where `pool.submit(pack, ...)` works: found running two shuffles in a process pool."""
+    import multiprocessing
+    import pickle
+    from concurrent.futures import ProcessPoolExecutor
+
+    import tokpack
+
+    assert pickle.loads(pickle.dumps(tokpack.shuffle)) is tokpack.shuffle
+    a, _ = sources
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        done = pool.submit(tokpack.shuffle, a, tmp_path / "run", seq_len=31, seed=1).result()
+    assert done.written == [0] and validate(tmp_path / "run").ok

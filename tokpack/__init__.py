@@ -54,6 +54,12 @@ class _ShufflePackage(types.ModuleType):
 
         return inspect.signature(importlib.import_module("tokpack.packer.api").shuffle)
 
+    def __reduce__(self):
+        # By name, as pickle takes a function: a module cannot be pickled, so `shuffle` could not
+        # be handed to a process pool (ProcessPoolExecutor.submit, multiprocessing, submitit) as
+        # `pack` can. Unpickled, the import gives this object again.
+        return importlib.import_module, (self.__name__,)
+
 
 importlib.import_module("tokpack.shuffle").__class__ = _ShufflePackage  # its __init__ imports nothing
 __all__.append("shuffle")
