@@ -102,6 +102,14 @@ def file_identity(path: str, fd: int | None = None) -> tuple:
     return (_HOST, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
+def _working_dir() -> str | None:
+    """The process's working directory; None once it is removed (a relative path then names nothing)."""
+    try:
+        return os.getcwd()
+    except OSError:
+        return None
+
+
 def _close(fd) -> None:
     if isinstance(fd, int):
         os.close(fd)
@@ -304,6 +312,11 @@ class ShardFiles:
         self._fds: dict[str, tuple[int, int]] = {}  # open files: path -> (fd, size), at most MAX_OPEN_FILES
         self._hash_buf: bytearray | None = None  # reused by verify
         self._index_buf = np.empty(INDEX_CHUNK, dtype=U64)  # reused by index-derived positions
+        # The working directory a relative path was given in: the files are opened at the first
+        # read (in each DataLoader worker too), after a script may have changed directory
+        # (Hydra's job.chdir, a notebook's %cd): "file disappeared" before. Paths stay as given
+        # in every message.
+        self._cwd = _working_dir()
         self.reads = 0  # pread calls issued (a cost counter: tests check it does not depend on the step)
         self.bytes_read = 0  # bytes returned by those preads
 
@@ -325,13 +338,20 @@ class ShardFiles:
             try:  # a URL: a file read at each place asked (pread needs a descriptor)
                 sizes = self.table.pad_sizes
                 rules = dict(size=sizes[path], what="padding sidecar", hint=PAD_HINT) if path in sizes else {}
-                fd = open_read(path, ahead=False, **rules) if is_url(path) else regular_fd(path, **rules)
+                fd = open_read(path, ahead=False, **rules) if is_url(path) else regular_fd(self._local(path), **rules)
             except FileNotFoundError:
                 raise shard_error("file disappeared after the reader was opened", path) from None
             if isinstance(fd, int):
                 self._same_file(path, fd)
             got = self._fds[path] = (fd, os.fstat(fd).st_size if isinstance(fd, int) else fd.size)
         return got
+
+    def _local(self, path: str) -> str:
+        """A file's path as opened: a relative one from the directory the reader was opened in
+        (as given while the process is still there)."""
+        if is_url(path) or os.path.isabs(path) or self._cwd is None or _working_dir() == self._cwd:
+            return path
+        return os.path.join(self._cwd, path)
 
     def _same_file(self, path: str, fd: int) -> None:
         """A token file opened now (its first read, reopened, in a DataLoader worker) against what
@@ -373,10 +393,16 @@ class ShardFiles:
             self._hash_buf = bytearray(4 << 20)
         try:
             if rows is None:
-                found = xxh3_128_file(path, self._hash_buf)
+                found = xxh3_128_file(self._local(path), self._hash_buf)
             else:  # a mismatch is its own line, naming the row
                 verify_token_file(
-                    path, (rows[0], expected), rows[1], self.row_bytes, self._hash_buf, message=_CORRUPT, hint=_RESTORE
+                    self._local(path),
+                    (rows[0], expected),
+                    rows[1],
+                    self.row_bytes,
+                    self._hash_buf,
+                    message=_CORRUPT,
+                    hint=_RESTORE,
                 )
                 found = expected
         except FileNotFoundError:  # as _file says it (a slice's .ds.pad gone was a raw FileNotFoundError here)

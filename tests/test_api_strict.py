@@ -346,6 +346,19 @@ def test_a_chain_holding_one_epoch_number_twice_resumes_from_its_own_state(run):
     one_line(e, "damaged")
 
 
+def test_a_relative_path_still_reads_after_the_script_changes_directory(run, tmp_path, monkeypatch):
+    """A dataset built from a relative path opens its shard files at the first read (in each
+    DataLoader worker too): after a chdir (Hydra's job.chdir, a notebook's %cd) that read was
+    "file disappeared after the reader was opened". Found building the dataset, then chdir."""
+    monkeypatch.chdir(Path(run).parent)
+    reader = SampleReader.open(Path(run).name, verify=True)  # checksummed at the first read, after the chdir
+    ds = TokpackDataset(Path(run).name, positions=None, micro_batch=2)
+    first = next(iter(TokpackDataset(run, positions=None, micro_batch=2)))["input_ids"]
+    monkeypatch.chdir(tmp_path)
+    assert torch.equal(next(iter(ds))["input_ids"], first)
+    assert reader.read(0, 2).shape == (2, SEQ + 1)
+
+
 def _saved(run, workers: int) -> dict:
     ds = TokpackDataset(run, positions=None, micro_batch=2)
     loader = StatefulDataLoader(ds, batch_size=None, num_workers=workers)
