@@ -87,7 +87,7 @@ def fixed_boundaries(positions: np.ndarray, max_documents: int, first_row: int =
         g = first_row + int(over[0])
         where = f"sample {g}"
         if locate is not None:
-            with suppress(IndexError):
+            with suppress(TokpackError):  # a row past the chain: named by its number alone
                 epoch, sample = locate(g)
                 where += f" (epoch {epoch}, sample {sample})"
         raise TokpackError(

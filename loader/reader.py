@@ -57,7 +57,7 @@ from .assembly import (  # noqa: F401 -- re-exported: tests, docs and users impo
     positions_from_eos,
     positions_from_starts,
 )
-from .shard_files import ShardFiles, chain_table
+from .shard_files import ShardFiles, chain_table, no_such_sample
 
 # One contiguous read when the rank's rows are contiguous (W == 1): large enough to keep a
 # disk or NFS busy, small enough not to matter next to a training process.
@@ -297,14 +297,15 @@ class SampleReader(ShardFiles):
 
     def locate(self, g: int) -> tuple[int, int]:
         """Chained sample g -> (epoch number, sample index within that epoch)."""
-        pos = self.table.epoch_pos_of(g)
+        pos = self.table.epoch_pos_of(whole(g, "g", optional=False))
         if pos < 0:
-            raise IndexError(f"sample {g} is in no epoch of this chain")
+            raise no_such_sample(g, self.table.epochs)
         return self.table.epochs[pos], int(g - self.table.epoch_starts[pos])
 
     def epoch_sample(self, g: int) -> tuple[int, int]:
         """(epoch, sample) naming any position G, also one past the last written sample (a
         resume point): the run's numbering, else the chain's (the end is the last epoch's size)."""
+        g = whole(g, "g", optional=False)
         if self.numbering is not None:
             where = self.numbering.locate(g)
             if where is not None:
@@ -336,6 +337,8 @@ class SampleReader(ShardFiles):
     def steps(self, world_size: int, micro_batch: int, start: int = 0) -> int:
         """Complete global batches from chained sample `start` before the chain ends or an
         epoch is missing (the stream stops, or raises `missing_epoch_error`, there)."""
+        _, world_size, micro_batch = stream_shape(0, world_size, micro_batch)  # steps(0, 1) divided by zero
+        start = whole(start, "start", optional=False)
         return RankRows(world_size, micro_batch, start).batches(self.table.reachable_end(start))
 
     def blocked_at(self, start: int) -> int | None:
@@ -389,6 +392,13 @@ class SampleReader(ShardFiles):
             for rows, pos in stream:
                 arrays = reader.micro_batch(rows, pos, stream.state.first_sample(stream.last_step), max_documents=K)
         """
+        if not isinstance(rows, np.ndarray) or rows.ndim != 2 or rows.shape[1] != self.row_tokens:
+            raise TokpackError(  # other rows gave arrays of another length, without a word
+                "micro_batch takes the rows a stream of this reader yields",
+                where="rows",
+                expected=f"an array [m, {self.row_tokens}] (seq_len + 1 tokens a row)",
+                found=f"shape {getattr(rows, 'shape', type(rows).__name__)}",
+            )
         pad = self.padding(g, len(rows)) if self.packed else None
         return micro_batch(
             rows,
@@ -407,6 +417,8 @@ class SampleReader(ShardFiles):
         The smallest `max_documents` these rows take: a row's segments as `micro_batch` counts
         them (documents of its inputs, and its padding as one)."""
         stop = self.total_samples if stop is None else stop
+        start, n = self.rows_within(start, whole(stop, "stop", optional=False) - whole(start, "start", optional=False))
+        stop = start + n
         best, where = 0, start
         block = max(1, SCAN_TOKENS // self.row_tokens)
         for g in range(start, stop, block):

@@ -102,6 +102,14 @@ def file_identity(path: str, fd: int | None = None) -> tuple:
     return (_HOST, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
+def no_such_sample(g: int, epochs) -> TokpackError:
+    """Chained sample g is in no epoch this reader holds (past its end, or in an epoch of the run
+    that is not written): one line, where an IndexError was raised."""
+    return TokpackError(
+        "sample is in no epoch of this chain", where=f"sample {g}", expected=f"a sample of epochs {list(epochs)}"
+    )
+
+
 def _working_dir() -> str | None:
     """The process's working directory; None once it is removed (a relative path then names nothing)."""
     try:
@@ -430,7 +438,7 @@ class ShardFiles:
         i = int(np.searchsorted(starts, g, side="right")) - 1
         while n > 0:
             if i < 0 or i >= len(starts) or not starts[i] <= g < ends[i]:
-                raise IndexError(f"sample {g} is in no epoch of this chain")
+                raise no_such_sample(g, self.table.epochs)
             k = min(n, int(ends[i]) - g)
             yield i, g - int(starts[i]), k
             g += k
@@ -459,8 +467,10 @@ class ShardFiles:
             done += k * self.row_bytes
         return out
 
-    def read(self, g: int, n: int = 1) -> np.ndarray:
-        """Chained rows [g, g+n) as a new [n, seq_len+1] array (random access, for tools and tests)."""
+    def rows_within(self, g, n) -> tuple[int, int]:
+        """(g, n) of chained rows [g, g+n) a public method was asked for, checked: whole numbers
+        within the chain, or one line (padding(-1, 2) was an IndexError, most_documents(0.5) a
+        TypeError)."""
         g, n = whole(g, "g", optional=False), whole(n, "n", optional=False)
         if g + n > self.total_samples:
             raise TokpackError(
@@ -469,6 +479,11 @@ class ShardFiles:
                 expected=f"g + n <= {self.total_samples}",
                 found=f"g={g}, n={n}",
             )
+        return g, n
+
+    def read(self, g: int, n: int = 1) -> np.ndarray:
+        """Chained rows [g, g+n) as a new [n, seq_len+1] array (random access, for tools and tests)."""
+        g, n = self.rows_within(g, n)
         return self.read_into(g, np.empty((n, self.row_tokens), dtype=self.dtype))
 
     def advise(self, g: int, n: int) -> None:
@@ -489,6 +504,7 @@ class ShardFiles:
     def padding(self, g: int, n: int) -> np.ndarray:
         """Padding tokens at the end of each of chained rows [g, g+n) (uint32; 0 for rows of
         an epoch without a `.ds.pad`). O(1) preads of 4 bytes a row."""
+        g, n = self.rows_within(g, n)
         out = np.zeros(n, dtype=PAD_DTYPE)
         if not self.packed:
             return out
@@ -506,6 +522,7 @@ class ShardFiles:
     def index_positions(self, g: int, n: int) -> np.ndarray:
         """Positions of chained rows [g, g+n) derived from the shards' `.ds.index` (fragment ends),
         with datatrove's convention; equal to `positions_from_eos` on tokpack epochs."""
+        g, n = self.rows_within(g, n)
         L = self.row_tokens
         starts = np.zeros((n, L), dtype=bool)
         starts[:, 0] = True

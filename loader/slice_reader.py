@@ -29,7 +29,7 @@ from tokpack.formats.slices import (
 )
 
 from .reader import SampleReader
-from .shard_files import ShardTable, listed_size, shard_error
+from .shard_files import ShardTable, listed_size, no_such_sample, shard_error
 
 _RESTAGE = "stage the slice again: the same command resumes"
 
@@ -126,7 +126,7 @@ class SliceReader(SampleReader):
         while n > 0:
             pos = table.epoch_pos_of(g)
             if pos < 0:
-                raise IndexError(f"sample {g} is in no epoch of this slice")
+                raise no_such_sample(g, table.epochs)
             r = rr.rank_of(g)
             if r not in self.slice_ranks:
                 message = f"sample {g} is read by rank {r}, which this node slice does not hold"

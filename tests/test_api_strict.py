@@ -208,6 +208,31 @@ def test_reader_arguments(run):
         r.start_from(start_sample=-1)
 
 
+@pytest.mark.parametrize(
+    "call, words",
+    [
+        (lambda r: r.steps(0, 1), ("[world_size]", "out of range")),  # was a ZeroDivisionError
+        (lambda r: r.steps("2", 1), ("[world_size]", "'2'")),  # was 197, as if 1
+        (lambda r: r.locate(-1), ("[g]", "out of range")),  # an IndexError
+        (lambda r: r.locate(2 * N), ("[sample 96]", "in no epoch of this chain")),
+        (lambda r: r.locate(2.5), ("[g]", "must be an integer")),  # was (0, 2)
+        (lambda r: r.epoch_sample(-1), ("[g]", "out of range")),  # was (-1, -1)
+        (lambda r: r.epoch_sample("5"), ("[g]", "'5'")),  # a numpy UFuncTypeError
+        (lambda r: r.most_documents(0.5, 3), ("[start]", "must be an integer")),  # a TypeError
+        (lambda r: r.padding(-1, 2), ("[g]", "out of range")),  # an IndexError
+        (lambda r: r.index_positions(-3, 2), ("[g]", "out of range")),  # an IndexError
+        (lambda r: r.micro_batch(np.zeros((2, 5), dtype=np.uint16), None, 0), ("[rows]", "shape (2, 5)")),  # 4 columns
+    ],
+)
+def test_reader_methods_check_their_arguments(run, call, words):
+    """docs/API.md: every public function of SampleReader checks its arguments as the CLI's
+    options are checked. Tried one by one, these raised a bare error from numpy or Python, or
+    answered for another input."""
+    with pytest.raises(TokpackError) as e:
+        call(SampleReader.open(run))
+    one_line(e, *words)
+
+
 # ------------------------------------------------------------------ TokpackDataset
 
 
