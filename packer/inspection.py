@@ -279,6 +279,14 @@ def inspect(directory, *, batch_size, batches, plot, seq_len, epoch, memory, doc
                 where="--plot",
                 hint="pip install matplotlib (or pip install 'tokpack[plot]')",
             ) from None
+        if not Path(plot).absolute().parent.is_dir():  # was savefig's FileNotFoundError, after the whole report
+            raise TokpackError(
+                "the plot's folder does not exist",
+                file=plot,
+                where="--plot",
+                expected="a file in an existing folder",
+                hint="create the folder first, or choose another --plot path",
+            )
     # a source's shard entries read from its text as used, as PackedSource reads them: not a dict each
     manifest = read_source_manifest(directory) if manifest_kind(directory) == SOURCE else read_manifest(directory)
     kind = manifest["kind"]

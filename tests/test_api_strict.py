@@ -144,6 +144,8 @@ def test_api_refuses_bad_arguments_before_touching_a_path(call, words):
         (lambda src: api.stage(src, None), ("[dest]", "None")),
         (lambda src: api.inspect(None), ("[directory]", "must be a path")),
         (lambda src: api.inspect(src, plot=3), ("[plot]", "found 3")),
+        # savefig's FileNotFoundError once the whole report was made
+        (lambda src: api.inspect(src, plot="nodir/x.png"), ("nodir/x.png [--plot]", "folder does not exist")),
         (lambda src: SampleReader.open(None), ("[path]", "a path or a sequence of paths", "found None")),
         (lambda src: SampleReader.open(b"run"), ("[path]", "found b'run'")),
         (lambda src: TokpackDataset(7), ("[path]", "found 7")),
