@@ -55,6 +55,12 @@ def _dirs(value, name):
     return items
 
 
+def _text_path(value, name):
+    """A path argument the stage keeps as text (a tokenizer file): a str or os.PathLike, as str."""
+    value = arguments.path(value, name)
+    return None if value is None else os.fspath(value)
+
+
 def _log(value, name):
     """A callable taking each progress line (None: none), refused before a stage calls it midway."""
     if value is not None and not callable(value):
@@ -122,7 +128,7 @@ ARGUMENTS = {
         "input_format": ("text", _REQUIRED),
         "column": _TEXT,
         "dtype": _TEXT,
-        "tokenizer": _TEXT,
+        "tokenizer": _text_path,  # a local tokenizer.json, as a pathlib.Path too
         "eos_id": _COUNT[0],
         "vocab_size": _COUNT[1],
         "overwrite": _FLAG,

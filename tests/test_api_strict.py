@@ -160,6 +160,15 @@ def test_wrong_path_and_callable_types_are_one_line_and_write_nothing(run, tmp_p
     assert list(tmp_path.iterdir()) == []  # no folder "None", "5" or "o" begun
 
 
+def test_a_tokenizer_given_as_a_path_packs_as_its_text(tokenizer_path, tmp_path):
+    """pack's tokenizer is a local tokenizer.json: tokenizer=Path(...) was refused as "must be a
+    string" where every other path argument takes a pathlib.Path."""
+    (tmp_path / "t.jsonl").write_text('{"text": "hello world"}\n{"text": "one more line"}\n')
+    as_path = api.pack(tmp_path / "t.jsonl", tmp_path / "a", tokenizer=Path(tokenizer_path))
+    as_text = api.pack(tmp_path / "t.jsonl", tmp_path / "b", tokenizer=str(tokenizer_path))
+    assert as_path.fingerprint == as_text.fingerprint and as_path.tokens == as_text.tokens > 0
+
+
 def test_validate_of_no_directory_is_the_usage_error(tmp_path):
     """validate([]) reported ok=True having validated nothing (a CI gate over an empty glob
     passed); `tokpack validate` without DIRS is a usage error."""
