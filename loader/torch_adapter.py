@@ -87,7 +87,7 @@ def _check_worker_count_at_iteration() -> None:
     def _get_iterator(loader):
         state = getattr(loader, "next_iter_state", None)
         if state is not None and isinstance(loader.dataset, TokpackDataset):
-            _same_workers(len(_worker_snapshots(state)), loader.num_workers)
+            _same_workers(len(_worker_snapshots(_loader_state(state))), loader.num_workers)
             if state.get("_iterator_finished") is True and _worker_snapshots(state):
                 # A state saved once the iteration ended (at_end="stop"): torchdata makes the
                 # iterator of the state, sees it finished and makes a fresh one, its workers
@@ -200,6 +200,23 @@ def _one_line_from_workers(caught: type = TokpackError):
         if get_worker_info() is None or isinstance(err, WorkerError):
             raise
         raise WorkerError.of(err) from None
+
+
+def _loader_state(state) -> dict:
+    """A StatefulDataLoader's state ("_snapshot" with workers, "dataset_state" without), or one
+    line: a TokpackDataset's own state loaded into the loader was torchdata's bare AssertionError
+    ("State doesn't contain key '_num_yielded'") at the next iter(loader)."""
+    state = _as_state(state)
+    if "_snapshot" not in state and "dataset_state" not in state:
+        own = any(key in state for key in ("consumed_samples", "next_step"))
+        raise _foreign(
+            "loader state",
+            "StatefulDataLoader.state_dict()",
+            "a TokpackDataset's own state" if own else sorted(map(str, state))[:8],
+            hint="load ds.state_dict() with ds.load_state_dict(state), and loader.state_dict() with "
+            "loader.load_state_dict(state)",
+        )
+    return state
 
 
 def _worker_snapshots(loader_state) -> dict:
@@ -601,7 +618,15 @@ class TokpackDataset(IterableDataset):
         """`loader.load_state_dict(loader_state)` for a StatefulDataLoader over this dataset, after
         checking that the state was saved with the loader's number of workers: the line that
         `iter(loader)` gives otherwise (`_check_worker_count_at_iteration`), at the load."""
-        _same_workers(len(_worker_snapshots(loader_state)), loader.num_workers)
+        if not callable(getattr(loader, "load_state_dict", None)) or not hasattr(loader, "num_workers"):
+            raise TokpackError(  # was an AttributeError
+                "load_loader_state takes a torchdata StatefulDataLoader",
+                where="loader",
+                expected="a StatefulDataLoader over this dataset",
+                found=type(loader).__name__,
+                hint="torch's DataLoader keeps no state: use torchdata.stateful_dataloader.StatefulDataLoader",
+            )
+        _same_workers(len(_worker_snapshots(_loader_state(loader_state))), loader.num_workers)
         loader.load_state_dict(loader_state)
 
     @staticmethod

@@ -421,6 +421,27 @@ def test_worker_count_change_is_one_line_including_zero(run, saved_with, loaded_
     assert TokpackDataset.consumed_samples(state) == 6  # the way out the hint names works
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_datasets_own_state_loaded_into_the_loader_is_one_line(run, workers):
+    """ds.state_dict() (the dataset's own position) handed to loader.load_state_dict was torchdata's
+    bare AssertionError ("State doesn't contain key '_num_yielded'") at the next iter(loader), and
+    load_loader_state took it; a torch DataLoader there was an AttributeError. Found mixing the
+    two states up, as a checkpoint of the dataset's state would."""
+    own = TokpackDataset(run, positions=None).state_dict()
+    ds = TokpackDataset(run, positions=None)
+    loader = StatefulDataLoader(ds, batch_size=None, num_workers=workers)
+    with pytest.raises(TokpackError) as e:
+        ds.load_loader_state(loader, own)
+    one_line(e, "[loader state]", "a TokpackDataset's own state", "ds.load_state_dict(state)")
+    loader.load_state_dict(own)  # torchdata takes it as it is; the line comes before any worker starts
+    with pytest.raises(TokpackError) as e:
+        iter(loader)
+    one_line(e, "[loader state]", "a TokpackDataset's own state")
+    with pytest.raises(TokpackError) as e:
+        ds.load_loader_state(torch.utils.data.DataLoader(ds, batch_size=None), _saved(run, 0))
+    one_line(e, "[loader]", "takes a torchdata StatefulDataLoader", "found DataLoader")
+
+
 def test_load_loader_state_resumes_as_load_state_dict(run):
     state = _saved(run, 2)
     ds = TokpackDataset(run, positions=None, micro_batch=2)
