@@ -278,3 +278,15 @@ def test_shuffle_goes_to_a_process_pool_as_pack_does(sources, tmp_path):
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
         done = pool.submit(tokpack.shuffle, a, tmp_path / "run", seq_len=31, seed=1).result()
     assert done.written == [0] and validate(tmp_path / "run").ok
+
+
+def test_help_of_shuffle_is_the_functions():
+    """`help(tokpack.shuffle)` (a notebook's `shuffle?`) showed the subpackage, which has no
+    docstring: the package contents, not one word of what shuffle takes."""
+    import pydoc
+
+    import tokpack
+    from tokpack.packer import api
+
+    assert tokpack.shuffle.__doc__ == api.shuffle.__doc__
+    assert "globally shuffled epochs" in pydoc.render_doc(tokpack.shuffle, renderer=pydoc.plaintext)

@@ -54,6 +54,10 @@ class _ShufflePackage(types.ModuleType):
 
         return inspect.signature(importlib.import_module("tokpack.packer.api").shuffle)
 
+    @property
+    def __doc__(self):  # help(tokpack.shuffle) and a notebook's `shuffle?`: the function's (the package has none)
+        return importlib.import_module("tokpack.packer.api").shuffle.__doc__
+
     def __reduce__(self):
         # By name, as pickle takes a function: a module cannot be pickled, so `shuffle` could not
         # be handed to a process pool (ProcessPoolExecutor.submit, multiprocessing, submitit) as
