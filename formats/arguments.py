@@ -110,9 +110,8 @@ def path(value, name: str, *, optional: bool = True):
     return value
 
 
-def paths(value, name: str, *, least: int = 0) -> list:
-    """A path, or an iterable of them (a list, a tuple, a generator: taken once), as a list of at
-    least `least` paths."""
+def paths(value, name: str) -> list:
+    """A path, or an iterable of them (a list, a tuple, a generator: taken once), as a list."""
     if isinstance(value, (str, os.PathLike)):
         items = [value]
     elif isinstance(value, Iterable) and not isinstance(value, (bytes, bytearray, dict)):
@@ -124,6 +123,4 @@ def paths(value, name: str, *, least: int = 0) -> list:
         raise TokpackError(
             "must be a path or a sequence of paths", where=name, expected="str or pathlib.Path", found=repr(shown)[:80]
         )
-    if len(items) < least:
-        raise TokpackError(f"{name} names no path", where=name, expected=f"at least {least} path", found=items)
     return items

@@ -122,6 +122,8 @@ def test_api_refuses_bad_arguments_before_touching_a_path(call, words):
     [
         (lambda src: api.pack(src / "x.jsonl", None, eos_id=0), ("[output]", "must be a path", "None")),
         (lambda src: api.pack(None, "o", eos_id=0), ("[inputs]", "a path or a sequence of paths")),
+        (lambda src: api.pack(src, "", eos_id=0), ("[output]", "found ''")),  # packed into the working directory
+        (lambda src: api.shuffle([src, ""], "o", seq_len=SEQ, seed=1), ("[sources[1]]", "found ''")),
         (lambda src: api.pack(3, "o", eos_id=0), ("[inputs]", "found 3")),
         (lambda src: api.shuffle(src, 5, seq_len=SEQ, seed=1), ("[output]", "found 5")),
         (lambda src: api.shuffle(5, "o", seq_len=SEQ, seed=1), ("[sources]", "found 5")),
