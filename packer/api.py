@@ -541,7 +541,7 @@ def stage(
     rebuilding the rank files of a share of its ranks within `memory // workers`."""
     from tokpack.packer.stage_plan import whole_shard_ranks
 
-    ranks = whole_shard_ranks(shards_of, ranks, world_size, node, start_sample)
+    ranks = whole_shard_ranks(shards_of, ranks, world_size, node, start_sample, ranks_per_node)
     if node is not None and world_size is None and ranks is None and not start_sample:
         from tokpack.packer.replacement import exchanged_run, stage_replacement
 

@@ -253,7 +253,7 @@ def plan_stage(directory, dest, selection: dict, *, disk_mbps: float | None = No
     from tokpack.packer.stage_plan import STAGE_BLOCK, Source, make_plan, parse_epochs, parse_ranks, whole_shard_ranks
     from tokpack.packer.staging import whole_copy_note
 
-    ranks = whole_shard_ranks(shards_of, ranks, world_size, node, start_sample)
+    ranks = whole_shard_ranks(shards_of, ranks, world_size, node, start_sample, ranks_per_node)
     (dest,) = local_only([str(dest)])
     src = Source(str(directory))
     if world_size is not None or node is not None:

@@ -237,11 +237,21 @@ def parse_ranks(spec, option: str = "--ranks") -> tuple[list[int], int] | None:
     return ranks, world
 
 
-def whole_shard_ranks(shards_of, ranks, world_size, node, start_sample: int = 0):
+def whole_shard_ranks(shards_of, ranks, world_size, node, start_sample: int = 0, ranks_per_node=None):
     """The `ranks` a whole-shard stage (staging.stage) is given: `shards_of` ('r/W') parsed, its
     errors naming --shards-of; else `ranks` as given (its old spelling, or a node slice's A-B).
     `shards_of` with a node slice's options is refused: it copies whole shards, a slice rows; so is
-    a `start_sample` without a node slice (stage and plan stage alike)."""
+    a `start_sample` without a node slice, and `ranks_per_node` without `node` (stage and plan
+    stage alike)."""
+    if ranks_per_node is not None and node is None:
+        # a node's slice meant, --node forgotten: the whole run was copied onto the node, silently
+        raise TokpackError(
+            "--ranks-per-node applies only with --node",
+            where="--ranks-per-node",
+            expected="--node n/N --ranks-per-node K (the slice of node n)",
+            found=f"--ranks-per-node {ranks_per_node} without --node",
+            hint="add --node n/N to stage that node's slice, or leave --ranks-per-node out to copy the run",
+        )
     if start_sample and world_size is None and node is None:
         # a copy's shards (--shards-of) are those of batches from sample 0: another start needs others
         raise TokpackError(

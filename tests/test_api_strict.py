@@ -144,6 +144,9 @@ def test_api_refuses_bad_arguments_before_touching_a_path(call, words):
             ("[executor.executor]", "'slurmm'"),
         ),
         (lambda src: api.stage(src, None), ("[dest]", "None")),
+        # a node's slice meant, node= forgotten: the whole directory was copied, without a word
+        (lambda src: api.stage(src, "o", ranks_per_node=2), ("[--ranks-per-node]", "only with --node")),
+        (lambda src: api.plan("stage", src, "o", ranks_per_node=2, disk_mbps=100), ("[--ranks-per-node]",)),
         (lambda src: api.inspect(None), ("[directory]", "must be a path")),
         (lambda src: api.inspect(src, plot=3), ("[plot]", "found 3")),
         # savefig's FileNotFoundError once the whole report was made
