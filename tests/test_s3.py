@@ -316,6 +316,26 @@ def test_validate_reads_a_bucket(bucket_run, tmp_path):
     )
 
 
+def test_validate_against_sources_in_the_bucket(bucket_run, tmp_path):
+    """validate --against s3://SOURCE (the docs' CI step, for sources in a bucket) proves the
+    epochs, with or without a trailing slash; a source shuffled from its URL and replaced there
+    since is named as changed at that URL. It was an internal error (a URL is no pathlib path)."""
+    fs, bucket, run = bucket_run
+    upload(fs, tmp_path / "src", f"s3://{bucket}/src")
+    for against in (f"s3://{bucket}/src", f"s3://{bucket}/src/"):
+        result = cli("validate", f"s3://{bucket}/run", "--against", against, "--json")
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert json.loads(result.stdout)["ok"] is True
+    shuffle(f"s3://{bucket}/src", tmp_path / "from-url", seq_len=63, seed=2, epochs=1)
+    fs.rm(f"{bucket}/src", recursive=True)
+    other = write_source(tmp_path / "other", random_docs(np.random.default_rng(12), 300, 1000, 0))
+    upload(fs, other, f"s3://{bucket}/src")
+    result = cli("validate", str(tmp_path / "from-url"), "--against", f"s3://{bucket}/src", "--json")
+    assert result.returncode == 1, result.stdout + result.stderr
+    found = [p["found"] for p in json.loads(result.stdout)["problems"] if p["where"] == "sources"]
+    assert found and f"changed since the shuffle: s3://{bucket}/src now has fingerprint" in found[0], found
+
+
 def test_inspect_reads_a_bucket(bucket_run, tmp_path):
     """inspect of an s3:// run whose source is in the bucket too (found next to the run, by
     name): the report of the local run with its local source."""
