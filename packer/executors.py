@@ -547,7 +547,7 @@ def stage_in(url: str, workdir: str | Path) -> str:
     dest = Path(tempfile.mkdtemp(prefix="in-", dir=workdir)) / (Path(remote.rstrip("/")).name or "data")
     where = RemotePath(url, fs)  # a store that does not answer is one line, not a bug
     if not where.call("exists"):
-        raise TokpackError("input not found", file=url)
+        raise TokpackError("no such directory", file=url, hint="check the path or URL")  # a local source's line
     if where.call("isdir"):
         from datatrove.io import get_datafolder
 
@@ -584,6 +584,8 @@ def local_paths(
             if any(local_path(p) is None for p in inputs):
                 downloads = tempfile.mkdtemp(prefix="tokpack-stage-", dir=scratch)
             local_inputs = [local_path(p) or stage_in(p, downloads) for p in inputs]
+            # an error names a downloaded source, or the output's local folder, by the URL given
+            urls = {here: p for here, p in zip(local_inputs, inputs) if local_path(p) is None}
             outbox = None
             local_output = local_path(output)
             if local_output is None:
@@ -599,13 +601,15 @@ def local_paths(
                         hint="use --workers 1, or a store every process reaches (s3://..., a path)",
                     )
                 outbox.check_bucket()
+                urls[outbox.local] = outbox.remote
                 held.enter_context(OutputLock(local_output, holder_name(command)))
                 outbox.fetch_state(MANIFEST)
             try:
                 yield local_inputs, local_output, LocalOutput() if outbox is None else BucketOutput(outbox)
             except TokpackError as e:
-                if outbox is not None and e.file and e.file.startswith(outbox.local):
-                    e.file = outbox.remote + e.file[len(outbox.local) :]  # the user's name for it, not ours
+                here = next((h for h in urls if e.file and (e.file + "/").startswith(h + "/")), None)
+                if here is not None:
+                    e.file = urls[here] + e.file[len(here) :]  # the user's name for it, not ours
                 raise
         if outbox is not None:
             shutil.rmtree(local_output, ignore_errors=True)

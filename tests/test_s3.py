@@ -336,6 +336,34 @@ def test_validate_against_sources_in_the_bucket(bucket_run, tmp_path):
     assert found and f"changed since the shuffle: s3://{bucket}/src now has fingerprint" in found[0], found
 
 
+def _shuffle_refusals(cases, tmp_path) -> None:
+    """Each (SOURCE, -o, file, hint) is one line naming `file`, the URL as given (not a local
+    folder it was downloaded to or written through), with its hint; no temporary file is left in
+    the scratch folder."""
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    args = ["--seq-len", "7", "--seed", "1", "--epochs", "1", "--scratch", str(scratch), "--json"]
+    for given, out, file, hint in cases:
+        result = cli("shuffle", given, "-o", out, *args)
+        line = one_line_error(result)
+        error = json.loads(result.stdout)["error"]
+        assert error["file"] == file and (error["hint"] or "").startswith(hint), (given, error)
+        assert line.startswith(f"tokpack: error: {file}"), line
+    assert not list(scratch.rglob("*.tmp-*")) and not list(scratch.glob("tokpack-out-*"))
+
+
+def test_a_source_url_refused_is_named_by_its_url(bucket_run, tmp_path):
+    """A source URL that is not a packed source, or not there: its URL, not the download."""
+    fs, bucket, _ = bucket_run
+    _shuffle_refusals(
+        [
+            (f"s3://{bucket}/run", str(tmp_path / "a"), f"s3://{bucket}/run/{MANIFEST}", "give a packed source"),
+            (f"s3://{bucket}/nothing", str(tmp_path / "b"), f"s3://{bucket}/nothing", "check the path or URL"),
+        ],
+        tmp_path,
+    )
+
+
 def test_inspect_reads_a_bucket(bucket_run, tmp_path):
     """inspect of an s3:// run whose source is in the bucket too (found next to the run, by
     name): the report of the local run with its local source."""
