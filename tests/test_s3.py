@@ -364,6 +364,15 @@ def test_a_source_url_refused_is_named_by_its_url(bucket_run, tmp_path):
     )
 
 
+def test_an_output_url_that_is_an_object_is_refused_as_a_local_file_is(bucket_run, tmp_path):
+    """-o s3://.../tokpack.json (an object, not a folder): the state fetch wrote it onto the
+    scratch folder itself (EISDIR naming two local paths, a temporary file left behind)."""
+    fs, bucket, _ = bucket_run
+    upload(fs, tmp_path / "src", f"s3://{bucket}/src")
+    obj = f"s3://{bucket}/src/{MANIFEST}"
+    _shuffle_refusals([(f"s3://{bucket}/src", obj, obj, "choose another -o")], tmp_path)
+
+
 def test_inspect_reads_a_bucket(bucket_run, tmp_path):
     """inspect of an s3:// run whose source is in the bucket too (found next to the run, by
     name): the report of the local run with its local source."""
