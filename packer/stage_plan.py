@@ -118,7 +118,15 @@ class Source:
         try:
             with self.open(rel) as f:
                 data = f.read(MAX_MANIFEST_BYTES + 1)  # parse_manifest refuses more
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
+            if not rel_dir and self.root.is_file():  # a file (or an object) given for the directory
+                raise TokpackError(
+                    "not a directory",
+                    file=self.path,
+                    expected="a tokpack directory",  # validate's words
+                    found="a file",
+                    hint="pass the directory that holds tokpack.json",
+                ) from None
             if rel_dir:
                 raise TokpackError(
                     "incomplete: no tokpack.json",

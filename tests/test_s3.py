@@ -373,6 +373,22 @@ def test_an_output_url_that_is_an_object_is_refused_as_a_local_file_is(bucket_ru
     _shuffle_refusals([(f"s3://{bucket}/src", obj, obj, "choose another -o")], tmp_path)
 
 
+def test_a_file_given_for_the_directory_is_not_a_directory_in_every_command(bucket_run, tmp_path):
+    """RUN/tokpack.json given for RUN, in a bucket or on disk: stage and inspect say what
+    validate says (not a directory, pass the one holding tokpack.json), not that a run was
+    interrupted (inspect) or that the file cannot be read / is no tokpack directory (stage)."""
+    fs, bucket, run = bucket_run
+    for given in (f"s3://{bucket}/run/{MANIFEST}", str(run / MANIFEST)):
+        for command in (["stage", given, str(tmp_path / "dest")], ["inspect", given], ["validate", given]):
+            result = cli(*command, "--json")
+            assert result.returncode == 1, (command, result.stderr)
+            out = json.loads(result.stdout)
+            error = out["problems"][0] if command[0] == "validate" else out["error"]
+            assert (error["file"], error["message"], error["found"]) == (given, "not a directory", "a file"), error
+            assert error["hint"] == "pass the directory that holds tokpack.json", error
+    assert not (tmp_path / "dest").exists()
+
+
 def test_inspect_reads_a_bucket(bucket_run, tmp_path):
     """inspect of an s3:// run whose source is in the bucket too (found next to the run, by
     name): the report of the local run with its local source."""
