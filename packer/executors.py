@@ -18,6 +18,7 @@ import contextlib
 import os
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -383,6 +384,7 @@ def ray_connect(config: ExecutorConfig) -> None:
         runtime_env = {"env_vars": {"PYTHONPATH": pythonpath}}
         if config.ray_address:
             try:
+                _gcs_answers(config.ray_address)
                 ray.init(address=config.ray_address, runtime_env=runtime_env, log_to_driver=False)
             except ConnectionError as e:
                 raise TokpackError(
@@ -394,6 +396,22 @@ def ray_connect(config: ExecutorConfig) -> None:
         else:
             num_cpus = config.workers if config.workers > 1 else os.cpu_count()
             ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env=runtime_env, log_to_driver=False)
+
+
+RAY_PROBE_SECONDS = 10.0
+
+
+def _gcs_answers(address: str) -> None:
+    """A ConnectionError when nothing accepts a TCP connection at a HOST:PORT address (a head's
+    GCS): ray.init retries such an address for ever, deaf to SIGTERM while it does. Ray Client's
+    ray:// has its own timeout; "auto" and "local" name no port."""
+    host, _, port = address.rpartition(":")
+    if "://" in address or not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=RAY_PROBE_SECONDS).close()
+    except OSError as e:
+        raise ConnectionError(f"nothing answers at {address} ({e.strerror or e})") from None
 
 
 # Ray calls per worker slot in a pass: contiguous runs of ranks, so a slow rank holds back a

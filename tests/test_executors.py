@@ -291,6 +291,40 @@ def test_ray_task_the_cluster_cannot_start_is_one_line(ray_cluster, source, tmp_
     assert not (tmp_path / "run" / "epoch-00000" / "tokpack.json").exists()
 
 
+def test_a_ray_head_address_nobody_answers_at_is_one_line(source, tmp_path, monkeypatch):
+    """--ray-address HOST:PORT (a head's GCS, `ray start --head`'s form) where nothing listens:
+    ray.init retries it for ever (minutes of 'Failed to connect to GCS' lines, deaf to SIGTERM);
+    tokpack says so in one line before calling it."""
+    ray = pytest.importorskip("ray")
+    from conftest import _free_port
+
+    def init(*args, **kwargs):
+        raise AssertionError("ray.init called with an address nothing answers at: it would retry for ever")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", init)
+    address = f"127.0.0.1:{_free_port()}"  # nothing listens there once the probe socket is closed
+    r = CliRunner().invoke(
+        main,
+        [
+            "shuffle",
+            str(source),
+            "-o",
+            str(tmp_path / "run"),
+            *SHUFFLE,
+            "--executor",
+            "ray",
+            "--ray-address",
+            address,
+            "--json",
+        ],
+    )
+    assert r.exit_code == 1, r.output
+    error = json.loads(r.stdout)["error"]
+    assert error["where"] == "--ray-address" and f"nothing answers at {address}" in error["message"], error
+    assert "ray status" in error["hint"]
+
+
 def test_ray_ranks_run_in_contiguous_runs():
     """Every rank in exactly one run, in order, about RAY_CALLS_PER_WORKER runs a worker slot."""
     from tokpack.packer.executors import RAY_CALLS_PER_WORKER, rank_runs
