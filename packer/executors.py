@@ -600,6 +600,7 @@ def local_paths(
     try:
         with contextlib.ExitStack() as held:
             if any(local_path(p) is None for p in inputs):
+                os.makedirs(scratch, exist_ok=True)  # as the output's folder under it is made
                 downloads = tempfile.mkdtemp(prefix="tokpack-stage-", dir=scratch)
             local_inputs = [local_path(p) or stage_in(p, downloads) for p in inputs]
             # an error names a downloaded source, or the output's local folder, by the URL given

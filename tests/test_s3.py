@@ -389,6 +389,20 @@ def test_a_file_given_for_the_directory_is_not_a_directory_in_every_command(buck
     assert not (tmp_path / "dest").exists()
 
 
+def test_a_scratch_folder_not_made_yet_is_made_for_url_sources_too(bucket_run, tmp_path):
+    """--scratch (or $TOKPACK_STAGE_DIR) naming a folder not made yet: pack and shuffle -o URL
+    made it, shuffle of a URL source failed (ENOENT on SCRATCH/tokpack-stage-RANDOM, a name the
+    user never gave). The run is the one shuffled from the local source."""
+    fs, bucket, run = bucket_run
+    upload(fs, tmp_path / "src", f"s3://{bucket}/src")
+    scratch = tmp_path / "not" / "made"
+    shuffle(
+        f"s3://{bucket}/src", tmp_path / "from-url", seq_len=63, seed=2, epochs=2, shard_samples=150, scratch=scratch
+    )
+    assert without_paths(tree(tmp_path / "from-url")) == without_paths(tree(run))
+    assert scratch.is_dir() and not any(scratch.iterdir())
+
+
 def test_inspect_reads_a_bucket(bucket_run, tmp_path):
     """inspect of an s3:// run whose source is in the bucket too (found next to the run, by
     name): the report of the local run with its local source."""
