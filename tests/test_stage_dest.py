@@ -367,3 +367,17 @@ def test_a_best_fit_shard_without_its_pad_checksum_is_not_staged_as_unpadded(run
     )
     assert "HINT" in line
     assert not dest.exists() or not [p for p in dest.rglob("*") if p.name != "tokpack.lock"]
+
+
+def test_a_file_url_dest_is_the_local_path_it_names(runs, tmp_path):
+    """DEST file:///path is the local path /path (docs/CLUSTER.md), as for every other path
+    argument: it was refused as "DEST must be a local path ... found a URL". The copy and the
+    slice are those of the plain path."""
+    for args, plain in (
+        ([], runs["whole"]),
+        (["--ranks", "0-1", "--world-size", W, "--micro-batch", M], runs["slice01"]),
+    ):
+        dest = tmp_path / f"dest-{len(args)}"
+        res = CliRunner().invoke(main, [str(a) for a in ["stage", runs["run"], f"file://{dest}", *args]])
+        assert res.exit_code == 0, res.output
+        assert tree(dest) == tree(plain)
