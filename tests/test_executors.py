@@ -295,7 +295,7 @@ def test_a_ray_head_address_nobody_answers_at_is_one_line(source, tmp_path, monk
     """--ray-address HOST:PORT (a head's GCS, `ray start --head`'s form) where nothing listens:
     ray.init retries it for ever (minutes of 'Failed to connect to GCS' lines, deaf to SIGTERM);
     tokpack says so in one line before calling it."""
-    ray = pytest.importorskip("ray")
+    ray = require("ray", "pip install 'ray[default]'")
     from conftest import _free_port
 
     def init(*args, **kwargs):
