@@ -559,11 +559,9 @@ def join_path(base: str | Path, name: str) -> str:
 
 def stage_in(url: str, workdir: str | Path) -> str:
     """Copies a remote file or folder to a fresh local folder under `workdir`; returns its path."""
-    from fsspec.core import url_to_fs
-
-    fs, remote = url_to_fs(url)
+    where = RemotePath(url)  # a store that does not answer, or a backend not installed, is one line, not a bug
+    fs, remote = where.fs, where.key
     dest = Path(tempfile.mkdtemp(prefix="in-", dir=workdir)) / (Path(remote.rstrip("/")).name or "data")
-    where = RemotePath(url, fs)  # a store that does not answer is one line, not a bug
     if not where.call("exists"):
         raise TokpackError("no such directory", file=url, hint="check the path or URL")  # a local source's line
     if where.call("isdir"):

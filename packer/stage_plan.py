@@ -47,6 +47,8 @@ class Source:
         self.path = str(path)  # as the user gave it
         try:
             self.root = as_path(self.path)  # a Path (plain os calls, kernel copies) or a RemotePath
+        except TokpackError:
+            raise  # its own line (a URL whose filesystem is not installed, an unknown scheme)
         except Exception as e:  # noqa: BLE001 - fsspec raises anything (ImportError, ValueError, auth...)
             raise TokpackError(
                 "cannot open the source",

@@ -403,6 +403,44 @@ def test_a_scratch_folder_not_made_yet_is_made_for_url_sources_too(bucket_run, t
     assert scratch.is_dir() and not any(scratch.iterdir())
 
 
+_WITHOUT_S3FS = """
+import sys
+sys.modules["s3fs"] = None  # as on a machine without tokpack's [s3] extra
+from tokpack.packer.cli import main
+main()
+"""
+
+
+def test_a_url_whose_filesystem_is_not_installed_is_one_line_in_every_command(tmp_path):
+    """s3:// without s3fs (README: pip install 'tokpack[s3]'), or a scheme fsspec does not
+    know: every command said 'internal error (a bug in tokpack): ImportError: Install s3fs to
+    access S3' (exit 70) but stage; now one line naming the URL and what to install, exit 1."""
+    src = write_source(tmp_path / "src", random_docs(np.random.default_rng(1), 30, 1000, 0))
+    shuffle(src, tmp_path / "run", seq_len=15, seed=1, epochs=1)
+    settings = ["--seq-len", "15", "--seed", "1", "--epochs", "1"]
+    for url, hint in (("s3://b/d", "pip install 'tokpack[s3]' (s3fs)"), ("nosuch://b/d", "check the URL")):
+        for command in (
+            ["validate", url],
+            ["validate", str(tmp_path / "run"), "--against", url],
+            ["inspect", url],
+            ["read", url],
+            ["stage", url, str(tmp_path / "dest")],
+            ["pack", url, "-o", str(tmp_path / "out")],
+            ["pack", str(src), "-o", url],
+            ["shuffle", url, "-o", str(tmp_path / "out"), *settings],
+            ["shuffle", str(src), "-o", url, *settings],
+            ["shuffle", "--like", url, "--epoch", "1"],
+        ):
+            result = subprocess.run(
+                [sys.executable, "-c", _WITHOUT_S3FS, *command, "--json"], capture_output=True, text=True
+            )
+            line = one_line_error(result)
+            error = json.loads(result.stdout)["error"]
+            assert (error["file"], error["hint"]) == (url, hint), (command, error)
+            assert line.startswith(f"tokpack: error: {url}: "), (command, line)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "dest").exists()
+
+
 def test_inspect_reads_a_bucket(bucket_run, tmp_path):
     """inspect of an s3:// run whose source is in the bucket too (found next to the run, by
     name): the report of the local run with its local source."""
