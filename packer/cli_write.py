@@ -230,7 +230,7 @@ def shuffle(sources, output, epochs, epoch, as_json, **kw):
         executor_config(kw)
         result = shuffle_api(sources, output, epochs=epochs, log=command_log(as_json), **kw)
         if as_json:
-            click.echo(json.dumps(result))
+            click.echo(json.dumps({"ok": True, **result}))  # first, as in every command's summary
             return
         P, p = result["procs_per_node"], result["process"]
         if result["node"] == 0 and p == 0:  # the epochs' figures are every node's: said once

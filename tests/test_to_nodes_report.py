@@ -126,3 +126,13 @@ def test_a_url_for_a_node_folder_is_refused_not_written_to_a_local_s3_folder(ups
     error = json.loads(done.stdout)["error"]
     assert option in error["where"] and "writes" in error["message"] and "local director" in error["message"], error
     assert not any((tmp_path / "cwd").iterdir()) and not (tmp_path / "run").exists()
+
+
+def test_the_json_summary_starts_with_ok(upsampled, tmp_path):
+    """Every command's --json success object starts with "ok": true (docs/COMMANDS.md): a
+    --to-nodes process's had none, so `.ok` of a script's parse was missing on success only."""
+    args = [*upsampled, "-o", tmp_path / "run", "--to-nodes", tmp_path / "node{node}", "--ranks-per-node", K]
+    done = _one_node(tmp_path, *args, "--micro-batch", M, "--memory", MEMORY)
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = json.loads(done.stdout)
+    assert next(iter(summary.items())) == ("ok", True), list(summary)[:3]
