@@ -33,6 +33,7 @@ from tokpack.formats.guard import OutputLock, holder_name
 from tokpack.formats.io.writes import Outbox
 from tokpack.formats.io.paths import RemotePath, is_url, local_path
 from tokpack.formats.io.gate import open_new
+from tokpack.formats.io.progress_log import progress
 from tokpack.formats.outputs import BucketOutput, LocalOutput
 from tokpack.formats.constants import MANIFEST
 from tokpack.shuffle.sinks import app_sinks_kept
@@ -347,10 +348,17 @@ def _wait_slurm(executor, config: ExecutorConfig) -> None:
     job_ids = _slurm_job_ids(executor)
     for job_id in job_ids:
         lifetime.register_slurm_job(job_id)
-    pause = 0.5
-    while executor.get_incomplete_ranks(skip_completed=True) and _slurm_active(job_ids):
-        time.sleep(pause)
-        pause = min(pause * 1.5, config.poll_seconds)
+    total, done = executor.world_size, 0
+    # the jobs' tasks show nothing here: a log (nohup, a batch job) gets the pass's tasks done
+    # every interval, as a pass in this process gives its own phase
+    with progress(total, f"{executor.job_name.removeprefix('tokpack-')}: slurm tasks", unit="task", phase=True) as bar:
+        pause = 0.5
+        while (left := executor.get_incomplete_ranks(skip_completed=True)) and _slurm_active(job_ids):
+            bar.update(total - len(left) - done)
+            done = total - len(left)
+            time.sleep(pause)
+            pause = min(pause * 1.5, config.poll_seconds)
+        bar.update(total - len(left) - done)
     # Markers are written by the tasks; the queue may still hold the finishing job for a moment.
     while _slurm_active(job_ids):
         time.sleep(0.5)

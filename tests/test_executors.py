@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -408,6 +409,27 @@ def test_slurm_array_jobs(source, reference, npy_inputs, pack_reference, tmp_pat
         "00:10:00",
     )
     assert tree(packed) == pack_reference
+
+
+def test_a_slurm_pass_names_its_tasks_done_in_a_log(source, reference, tmp_path):
+    """`--executor slurm` in a log (nohup, a batch job): the command waited for the array jobs
+    saying nothing at all, pass after pass; now each pass's line, tasks done of its tasks, no bar."""
+    if (reason := slurm_unavailable()) is not None:
+        pytest.skip(reason)
+    out = tmp_path / "run"
+    args = [*SHUFFLE, "--executor", "slurm", "--tasks", "2", "--time", "00:10:00", "--log-interval", "0.2"]
+    r = subprocess.run(
+        [sys.executable, "-m", "tokpack", "shuffle", str(source), "-o", str(out), *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": PROJECT_ROOT},
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr
+    said = [line.split(" tokpack: ", 1)[1] for line in r.stderr.splitlines() if ": slurm tasks: " in line]
+    for name, tasks in (("scatter", 2), ("order", 8)):
+        assert any(re.match(rf"epoch-00000-\w+-{name}: slurm tasks: \d+/{tasks} tasks", x) for x in said), said
+    assert "\r" not in r.stderr and tree(out) == reference
 
 
 def test_slurm_array_element_runs_several_small_tasks(source, tmp_path):
