@@ -403,7 +403,15 @@ def ray_connect(config: ExecutorConfig) -> None:
                 ) from None
         else:
             num_cpus = config.workers if config.workers > 1 else os.cpu_count()
-            ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env=runtime_env, log_to_driver=False)
+            # "local": a cluster of its own, as documented, even where $RAY_ADDRESS names another
+            # (ray.init would join that one and refuse num_cpus)
+            ray.init(
+                address="local",
+                num_cpus=num_cpus,
+                include_dashboard=False,
+                runtime_env=runtime_env,
+                log_to_driver=False,
+            )
 
 
 RAY_PROBE_SECONDS = 10.0

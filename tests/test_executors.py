@@ -326,6 +326,26 @@ def test_a_ray_head_address_nobody_answers_at_is_one_line(source, tmp_path, monk
     assert "ray status" in error["hint"]
 
 
+def test_ray_without_an_address_starts_its_own_cluster_whatever_ray_address_says(source, reference, tmp_path):
+    """--executor ray without --ray-address starts a local cluster (docs/CLUSTER.md); with
+    $RAY_ADDRESS set (a Ray node's shell, a Ray job), ray.init joined that address and refused
+    num_cpus: 'internal error (a bug in tokpack): ValueError: When connecting to an existing
+    cluster, num_cpus and num_gpus must not be provided', exit 70."""
+    require("ray", "pip install 'ray[default]'")
+    from conftest import _free_port
+
+    out = tmp_path / "run"
+    r = subprocess.run(
+        [sys.executable, "-m", "tokpack", "shuffle", str(source), "-o", str(out), *SHUFFLE, "--executor", "ray"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": PROJECT_ROOT, "RAY_ADDRESS": f"127.0.0.1:{_free_port()}"},
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert tree(out) == reference
+
+
 def test_ray_ranks_run_in_contiguous_runs():
     """Every rank in exactly one run, in order, about RAY_CALLS_PER_WORKER runs a worker slot."""
     from tokpack.packer.executors import RAY_CALLS_PER_WORKER, rank_runs
