@@ -52,7 +52,7 @@ def read_manifest(directory: str | Path, kind: str | tuple[str, ...] | None = No
     if not directory.exists():
         raise TokpackError("no such directory", file=directory, hint="check the path or URL")
     if not path.exists():
-        if isinstance(directory, Path) and not directory.is_dir():  # a file given for a directory: nothing unfinished
+        if not directory.is_dir():  # a file (or an object) given for a directory: nothing unfinished
             raise TokpackError(
                 "not a directory",
                 file=directory,

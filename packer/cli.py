@@ -21,7 +21,8 @@ import click
 from tokpack.packer import cli_report
 
 from tokpack.packer.cli_plan import plan
-from tokpack.packer.cli_report import EXIT_INTERRUPTED, STOPPED, Terminated, error_json, internal_error, stopped
+from tokpack.packer.cli_report import EXIT_INTERRUPTED, HINT_MARK, STOPPED, Terminated, error_json, internal_error
+from tokpack.packer.cli_report import stopped
 from tokpack.packer.cli_runs import inspect, read, stage, validate
 from tokpack.packer.cli_write import pack, shuffle
 
@@ -83,7 +84,12 @@ class _Tokpack(click.Group):
         try:
             result = super().main(argv, prog_name, complete_var, standalone_mode=False, **extra)
         except click.ClickException as e:
-            cli_report.failure_json(error_json(type(e).__name__, e.format_message()), as_json)
+            message, ctx = e.format_message(), getattr(e, "ctx", None)
+            # what click's "Try '... --help' for help." line says to do, where a script finds every other hint
+            hint = f"see `{ctx.command_path} --help`" if ctx is not None and HINT_MARK not in message else None
+            param = getattr(e, "param", None)  # the option click refused, as `where` names it in tokpack's errors
+            where = max(param.opts, key=len) if isinstance(param, click.Option) else None
+            cli_report.failure_json(error_json(type(e).__name__, message, hint=hint, where=where), as_json)
             e.show()
             sys.exit(e.exit_code)
         except click.Abort:

@@ -99,13 +99,15 @@ def _report(line: str, error: dict, status: int, as_json: bool) -> None:
 HINT_MARK = ". HINT: "  # how a line says what to do (TokpackError's str, click's message of a quantity)
 
 
-def error_json(kind: str, message: str, file: str | None = None, hint: str | None = None) -> dict:
+def error_json(
+    kind: str, message: str, file: str | None = None, hint: str | None = None, where: str | None = None
+) -> dict:
     """The --json error object of a failure that is no TokpackError, a TokpackError's fields named
     `kind`. A message that says its hint (click's line for a bad TOKENS or BYTES value holds the
     parser's TokpackError line) gives it to `hint`, where a script finds every other failure's."""
     if hint is None and HINT_MARK in message:
         message, hint = message.split(HINT_MARK, 1)
-    return {**TokpackError(message, file=file, hint=hint).to_json(), "error": kind}
+    return {**TokpackError(message, file=file, where=where, hint=hint).to_json(), "error": kind}
 
 
 def _os_error_line(e: OSError) -> tuple[str, dict]:

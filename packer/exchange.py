@@ -199,9 +199,9 @@ def _shuffle_to_nodes(stop: OnSigterm, spec: ShuffleSpec, log) -> dict:
     log = log if node.q == 0 else None  # process 0's lines and bars stand for every node's
     t0 = time.perf_counter()
     a, b, w = slice_ranks(node=f"{n}/{N}", ranks_per_node=spec.nodes.ranks_per_node, micro_batch=spec.nodes.micro_batch)
+    local_dirs("--to-nodes/-o", dest, output)  # as given: a Path made of s3://b/d is a local s3:/b/d
     template = dest_template(dest)
     dest = node_dest(dest, n)
-    local_dirs("--to-nodes/-o", dest, output)
     out = Path(output)
     # A process's scratch (buckets, row table, owned shards on their way): DEST's, its own
     # folder there when the node's processes share DEST

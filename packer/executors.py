@@ -18,6 +18,7 @@ import contextlib
 import os
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -32,6 +33,7 @@ from tokpack.formats.guard import OutputLock, holder_name
 from tokpack.formats.io.writes import Outbox
 from tokpack.formats.io.paths import RemotePath, is_url, local_path
 from tokpack.formats.io.gate import open_new
+from tokpack.formats.io.progress_log import progress
 from tokpack.formats.outputs import BucketOutput, LocalOutput
 from tokpack.formats.constants import MANIFEST
 from tokpack.shuffle.sinks import app_sinks_kept
@@ -346,10 +348,17 @@ def _wait_slurm(executor, config: ExecutorConfig) -> None:
     job_ids = _slurm_job_ids(executor)
     for job_id in job_ids:
         lifetime.register_slurm_job(job_id)
-    pause = 0.5
-    while executor.get_incomplete_ranks(skip_completed=True) and _slurm_active(job_ids):
-        time.sleep(pause)
-        pause = min(pause * 1.5, config.poll_seconds)
+    total, done = executor.world_size, 0
+    # the jobs' tasks show nothing here: a log (nohup, a batch job) gets the pass's tasks done
+    # every interval, as a pass in this process gives its own phase
+    with progress(total, f"{executor.job_name.removeprefix('tokpack-')}: slurm tasks", unit="task", phase=True) as bar:
+        pause = 0.5
+        while (left := executor.get_incomplete_ranks(skip_completed=True)) and _slurm_active(job_ids):
+            bar.update(total - len(left) - done)
+            done = total - len(left)
+            time.sleep(pause)
+            pause = min(pause * 1.5, config.poll_seconds)
+        bar.update(total - len(left) - done)
     # Markers are written by the tasks; the queue may still hold the finishing job for a moment.
     while _slurm_active(job_ids):
         time.sleep(0.5)
@@ -383,6 +392,7 @@ def ray_connect(config: ExecutorConfig) -> None:
         runtime_env = {"env_vars": {"PYTHONPATH": pythonpath}}
         if config.ray_address:
             try:
+                _gcs_answers(config.ray_address)
                 ray.init(address=config.ray_address, runtime_env=runtime_env, log_to_driver=False)
             except ConnectionError as e:
                 raise TokpackError(
@@ -393,7 +403,31 @@ def ray_connect(config: ExecutorConfig) -> None:
                 ) from None
         else:
             num_cpus = config.workers if config.workers > 1 else os.cpu_count()
-            ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env=runtime_env, log_to_driver=False)
+            # "local": a cluster of its own, as documented, even where $RAY_ADDRESS names another
+            # (ray.init would join that one and refuse num_cpus)
+            ray.init(
+                address="local",
+                num_cpus=num_cpus,
+                include_dashboard=False,
+                runtime_env=runtime_env,
+                log_to_driver=False,
+            )
+
+
+RAY_PROBE_SECONDS = 10.0
+
+
+def _gcs_answers(address: str) -> None:
+    """A ConnectionError when nothing accepts a TCP connection at a HOST:PORT address (a head's
+    GCS): ray.init retries such an address for ever, deaf to SIGTERM while it does. Ray Client's
+    ray:// has its own timeout; "auto" and "local" name no port."""
+    host, _, port = address.rpartition(":")
+    if "://" in address or not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=RAY_PROBE_SECONDS).close()
+    except OSError as e:
+        raise ConnectionError(f"nothing answers at {address} ({e.strerror or e})") from None
 
 
 # Ray calls per worker slot in a pass: contiguous runs of ranks, so a slow rank holds back a
@@ -541,13 +575,11 @@ def join_path(base: str | Path, name: str) -> str:
 
 def stage_in(url: str, workdir: str | Path) -> str:
     """Copies a remote file or folder to a fresh local folder under `workdir`; returns its path."""
-    from fsspec.core import url_to_fs
-
-    fs, remote = url_to_fs(url)
+    where = RemotePath(url)  # a store that does not answer, or a backend not installed, is one line, not a bug
+    fs, remote = where.fs, where.key
     dest = Path(tempfile.mkdtemp(prefix="in-", dir=workdir)) / (Path(remote.rstrip("/")).name or "data")
-    where = RemotePath(url, fs)  # a store that does not answer is one line, not a bug
     if not where.call("exists"):
-        raise TokpackError("input not found", file=url)
+        raise TokpackError("no such directory", file=url, hint="check the path or URL")  # a local source's line
     if where.call("isdir"):
         from datatrove.io import get_datafolder
 
@@ -582,8 +614,11 @@ def local_paths(
     try:
         with contextlib.ExitStack() as held:
             if any(local_path(p) is None for p in inputs):
+                os.makedirs(scratch, exist_ok=True)  # as the output's folder under it is made
                 downloads = tempfile.mkdtemp(prefix="tokpack-stage-", dir=scratch)
             local_inputs = [local_path(p) or stage_in(p, downloads) for p in inputs]
+            # an error names a downloaded source, or the output's local folder, by the URL given
+            urls = {here: p for here, p in zip(local_inputs, inputs) if local_path(p) is None}
             outbox = None
             local_output = local_path(output)
             if local_output is None:
@@ -599,13 +634,15 @@ def local_paths(
                         hint="use --workers 1, or a store every process reaches (s3://..., a path)",
                     )
                 outbox.check_bucket()
+                urls[outbox.local] = outbox.remote
                 held.enter_context(OutputLock(local_output, holder_name(command)))
                 outbox.fetch_state(MANIFEST)
             try:
                 yield local_inputs, local_output, LocalOutput() if outbox is None else BucketOutput(outbox)
             except TokpackError as e:
-                if outbox is not None and e.file and e.file.startswith(outbox.local):
-                    e.file = outbox.remote + e.file[len(outbox.local) :]  # the user's name for it, not ours
+                here = next((h for h in urls if e.file and (e.file + "/").startswith(h + "/")), None)
+                if here is not None:
+                    e.file = urls[here] + e.file[len(here) :]  # the user's name for it, not ours
                 raise
         if outbox is not None:
             shutil.rmtree(local_output, ignore_errors=True)

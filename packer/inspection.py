@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from tokpack.formats.errors import TokpackError
-from tokpack.formats.io.paths import as_path
+from tokpack.formats.io.paths import as_path, local_path
 from tokpack.formats.io.progress_log import progress
 from tokpack.formats.io.gate import read_array, regular_size
 from tokpack.formats.constants import EPOCH, HOLDOUT_DIR, MANIFEST, RUN, SOURCE, U64
@@ -271,6 +271,16 @@ def inspect(directory, *, batch_size, batches, plot, seq_len, epoch, memory, doc
     table [default: tokpack.shuffle.packed.DEFAULT_PLAN_MEMORY]."""
     directory = as_path(directory)
     if plot is not None:  # checked before any work
+        if local_path(plot) is None:  # matplotlib writes local files: the analysis would be lost at the end
+            raise TokpackError(
+                "--plot writes a local file",
+                file=str(plot),
+                where="--plot",
+                expected="a local path (FILE.png)",
+                found="a URL",
+                hint="write the figure locally, then copy it to the store (e.g. aws s3 cp)",
+            )
+        plot = local_path(plot)
         try:
             import matplotlib  # noqa: F401
         except ImportError:

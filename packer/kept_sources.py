@@ -59,11 +59,14 @@ def kept_folder(keep_sources, node: int, dest, out, sources, schedule=None) -> P
     a schedule's)."""
     if keep_sources is None:
         return None
-    keep = node_dest(keep_sources, node)
-    if "://" in str(keep):
+    if "://" in str(keep_sources):  # as given: a Path made of s3://b/d is a local s3:/b/d
         raise TokpackError(
-            f"{OPTION} writes a local directory", file=keep, where=OPTION, hint="give a folder on the node's own disk"
+            f"{OPTION} writes a local directory",
+            file=str(keep_sources),
+            where=OPTION,
+            hint="give a folder on the node's own disk",
         )
+    keep = node_dest(keep_sources, node)
     given = list(sources or [])
     if schedule is not None:
         given += [path for stage in schedule.stages for path in stage.paths]

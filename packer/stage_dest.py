@@ -14,6 +14,7 @@ from pathlib import Path
 
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io.gate import open_read, read_limited
+from tokpack.formats.io.paths import local_path
 from tokpack.formats.io.writes import is_tmp_name
 from tokpack.formats.constants import (
     EPOCH,
@@ -37,8 +38,10 @@ from tokpack.packer.stage_plan import DirPlan, join_rel, shard_jobs
 
 
 def local_dest(dest) -> Path:
-    """DEST as a local path: a stage reads from any fsspec URL but writes to local disk."""
-    if "://" in str(dest):
+    """DEST as a local path (a `file://` URL is one): a stage reads from any fsspec URL but
+    writes to local disk."""
+    local = local_path(dest)
+    if local is None:
         raise TokpackError(
             "DEST must be a local path",
             file=dest,
@@ -46,7 +49,7 @@ def local_dest(dest) -> Path:
             found="a URL",
             hint="stage reads from any fsspec URL but writes to local disk",
         )
-    return Path(dest)
+    return Path(local)
 
 
 def in_place(path: Path, size: int | None) -> bool:

@@ -47,6 +47,8 @@ class Source:
         self.path = str(path)  # as the user gave it
         try:
             self.root = as_path(self.path)  # a Path (plain os calls, kernel copies) or a RemotePath
+        except TokpackError:
+            raise  # its own line (a URL whose filesystem is not installed, an unknown scheme)
         except Exception as e:  # noqa: BLE001 - fsspec raises anything (ImportError, ValueError, auth...)
             raise TokpackError(
                 "cannot open the source",
@@ -118,7 +120,15 @@ class Source:
         try:
             with self.open(rel) as f:
                 data = f.read(MAX_MANIFEST_BYTES + 1)  # parse_manifest refuses more
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
+            if not rel_dir and self.root.is_file():  # a file (or an object) given for the directory
+                raise TokpackError(
+                    "not a directory",
+                    file=self.path,
+                    expected="a tokpack directory",  # validate's words
+                    found="a file",
+                    hint="pass the directory that holds tokpack.json",
+                ) from None
             if rel_dir:
                 raise TokpackError(
                     "incomplete: no tokpack.json",
@@ -354,6 +364,10 @@ def slice_ranks(
     return a, b, w
 
 
+# what a refused --node should have been (an unset $SLURM_NODEID outside a job gives "/N")
+NODE_HINT = 'give --node n/N (node n of N, 0 to N-1) and --ranks-per-node K; in a Slurm job, --node "$SLURM_NODEID/$SLURM_NNODES"'
+
+
 def _slice_ranks(ranks, world_size, node, ranks_per_node) -> tuple[int, int, int]:
     if node is not None:
         if ranks is not None:
@@ -362,7 +376,9 @@ def _slice_ranks(ranks, world_size, node, ranks_per_node) -> tuple[int, int, int
             n, _, count = str(node).partition("/")
             n, count = digits(n), digits(count)
         except ValueError:
-            raise TokpackError("bad --node", where="--node", expected="'n/N': node n of N", found=node) from None
+            raise TokpackError(
+                "bad --node", where="--node", expected="'n/N': node n of N", found=node, hint=NODE_HINT
+            ) from None
         k = ranks_per_node
         if k is None or k < 1 or count < 1 or not 0 <= n < count:
             raise TokpackError(
@@ -370,6 +386,7 @@ def _slice_ranks(ranks, world_size, node, ranks_per_node) -> tuple[int, int, int
                 where="--node/--ranks-per-node",
                 expected="0 <= n < N and K >= 1",
                 found=f"{node}, --ranks-per-node {k}",
+                hint=NODE_HINT,
             )
         if world_size is not None and world_size != count * k:
             raise TokpackError(

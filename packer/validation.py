@@ -22,7 +22,7 @@ from pathlib import Path
 
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io.reads import ThreadPool
-from tokpack.formats.io.paths import as_path
+from tokpack.formats.io.paths import as_path, local_path
 from tokpack.formats.io.progress_log import progress
 from tokpack.formats.constants import EPOCH, MANIFEST, MASK64, RUN, SLICE
 from tokpack.formats.hashes import hash_hex64
@@ -144,10 +144,17 @@ def validate_dirs(
     return ValidationReport([d.report for d in plan])
 
 
+def _place(path) -> Path | str:
+    """Where a source is, to compare a recorded path with one given: a local folder resolved, a
+    URL (an object store's, which pathlib cannot hold) as written."""
+    local = local_path(path)
+    return Path(local).resolve() if local is not None else str(path).rstrip("/")
+
+
 def _missing_sources(m: dict, given: dict[str, PackedSource], mfile: str) -> Problem | None:
     """UNVERIFIED, naming each source of the epoch that `--against` did not give: without all of
     them the plan cannot be replayed. Nothing is known to be wrong with the epoch."""
-    by_path = {Path(s.path).resolve(): s for s in given.values()}
+    by_path = {_place(s.path): s for s in given.values()}
     missing, paths = [], []
     for e in m["sources"]:
         e = e if isinstance(e, dict) else {}
@@ -155,7 +162,7 @@ def _missing_sources(m: dict, given: dict[str, PackedSource], mfile: str) -> Pro
         if fp in given or e.get("samples") == 0:  # a source of a scheduled run that this epoch does not use
             continue
         text = f"{e.get('name', '?')} (fingerprint {fp})"
-        same_place = by_path.get(Path(str(e.get("path", ""))).resolve()) if e.get("path") else None
+        same_place = by_path.get(_place(e["path"])) if e.get("path") else None
         if same_place is not None:  # given by path, but its content is not the one shuffled
             text += f", changed since the shuffle: {same_place.path} now has fingerprint {same_place.fingerprint}"
         missing.append(text)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -291,6 +292,60 @@ def test_ray_task_the_cluster_cannot_start_is_one_line(ray_cluster, source, tmp_
     assert not (tmp_path / "run" / "epoch-00000" / "tokpack.json").exists()
 
 
+def test_a_ray_head_address_nobody_answers_at_is_one_line(source, tmp_path, monkeypatch):
+    """--ray-address HOST:PORT (a head's GCS, `ray start --head`'s form) where nothing listens:
+    ray.init retries it for ever (minutes of 'Failed to connect to GCS' lines, deaf to SIGTERM);
+    tokpack says so in one line before calling it."""
+    ray = require("ray", "pip install 'ray[default]'")
+    from conftest import _free_port
+
+    def init(*args, **kwargs):
+        raise AssertionError("ray.init called with an address nothing answers at: it would retry for ever")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", init)
+    address = f"127.0.0.1:{_free_port()}"  # nothing listens there once the probe socket is closed
+    r = CliRunner().invoke(
+        main,
+        [
+            "shuffle",
+            str(source),
+            "-o",
+            str(tmp_path / "run"),
+            *SHUFFLE,
+            "--executor",
+            "ray",
+            "--ray-address",
+            address,
+            "--json",
+        ],
+    )
+    assert r.exit_code == 1, r.output
+    error = json.loads(r.stdout)["error"]
+    assert error["where"] == "--ray-address" and f"nothing answers at {address}" in error["message"], error
+    assert "ray status" in error["hint"]
+
+
+def test_ray_without_an_address_starts_its_own_cluster_whatever_ray_address_says(source, reference, tmp_path):
+    """--executor ray without --ray-address starts a local cluster (docs/CLUSTER.md); with
+    $RAY_ADDRESS set (a Ray node's shell, a Ray job), ray.init joined that address and refused
+    num_cpus: 'internal error (a bug in tokpack): ValueError: When connecting to an existing
+    cluster, num_cpus and num_gpus must not be provided', exit 70."""
+    require("ray", "pip install 'ray[default]'")
+    from conftest import _free_port
+
+    out = tmp_path / "run"
+    r = subprocess.run(
+        [sys.executable, "-m", "tokpack", "shuffle", str(source), "-o", str(out), *SHUFFLE, "--executor", "ray"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": PROJECT_ROOT, "RAY_ADDRESS": f"127.0.0.1:{_free_port()}"},
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert tree(out) == reference
+
+
 def test_ray_ranks_run_in_contiguous_runs():
     """Every rank in exactly one run, in order, about RAY_CALLS_PER_WORKER runs a worker slot."""
     from tokpack.packer.executors import RAY_CALLS_PER_WORKER, rank_runs
@@ -374,6 +429,27 @@ def test_slurm_array_jobs(source, reference, npy_inputs, pack_reference, tmp_pat
         "00:10:00",
     )
     assert tree(packed) == pack_reference
+
+
+def test_a_slurm_pass_names_its_tasks_done_in_a_log(source, reference, tmp_path):
+    """`--executor slurm` in a log (nohup, a batch job): the command waited for the array jobs
+    saying nothing at all, pass after pass; now each pass's line, tasks done of its tasks, no bar."""
+    if (reason := slurm_unavailable()) is not None:
+        pytest.skip(reason)
+    out = tmp_path / "run"
+    args = [*SHUFFLE, "--executor", "slurm", "--tasks", "2", "--time", "00:10:00", "--log-interval", "0.2"]
+    r = subprocess.run(
+        [sys.executable, "-m", "tokpack", "shuffle", str(source), "-o", str(out), *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": PROJECT_ROOT},
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr
+    said = [line.split(" tokpack: ", 1)[1] for line in r.stderr.splitlines() if ": slurm tasks: " in line]
+    for name, tasks in (("scatter", 2), ("order", 8)):
+        assert any(re.match(rf"epoch-00000-\w+-{name}: slurm tasks: \d+/{tasks} tasks", x) for x in said), said
+    assert "\r" not in r.stderr and tree(out) == reference
 
 
 def test_slurm_array_element_runs_several_small_tasks(source, tmp_path):

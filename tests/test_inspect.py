@@ -214,6 +214,20 @@ def test_plot_without_matplotlib(huge_doc_run, tmp_path, monkeypatch):
     assert not (tmp_path / "x.png").exists()
 
 
+def test_plot_to_a_url_is_refused_before_the_work_and_file_urls_are_local(huge_doc_run, tmp_path, monkeypatch):
+    """--plot s3://b/x.png ran the whole analysis, then failed in matplotlib with 'No such file
+    or directory (ENOENT). HINT: check the path'; --plot file:///path is the local /path."""
+    import tokpack.packer.inspection as inspection
+
+    run, _, _ = huge_doc_run
+    monkeypatch.setattr(inspection, "read_manifest", lambda *a, **k: pytest.fail("read before --plot was checked"))
+    with pytest.raises(TokpackError, match=r"s3://b/x\.png \[--plot\]: --plot writes a local file.*HINT: "):
+        inspect(run, plot="s3://b/x.png")
+    monkeypatch.undo()
+    report = inspect(run, batch_size=BATCH, batches=2, plot=f"file://{tmp_path / 'x.png'}")
+    assert (tmp_path / "x.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and report["plot"] == str(tmp_path / "x.png")
+
+
 def test_cli_inspect(huge_doc_run):
     run, _, _ = huge_doc_run
     r = CliRunner().invoke(main, ["inspect", str(run), "--batch-size", "16", "--batches", "3", "--json"])

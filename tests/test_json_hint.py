@@ -57,6 +57,26 @@ def test_a_quantity_refused_by_click_has_its_hint_in_hint(case, source, tmp_path
     assert line == f"Error: {error['message']}. HINT: {error['hint']}"  # the human line, as before
 
 
+USAGE_ERRORS = {  # click's own refusals: (arguments, the option at fault or None)
+    "missing argument": (["validate"], None),
+    "missing option": (["pack", "in"], "--output"),
+    "no such option": (["stage", "a", "b", "--bogus"], None),
+    "not an integer": (["shuffle", "s", "-o", "r", "--seq-len", "abc", "--seed", 1, "--epochs", 1], "--seq-len"),
+    "not a choice": (["pack", "in", "-o", "out", "--executor", "slurmm"], "--executor"),
+    "a usage check": (["shuffle", "s", "--seq-len", 5, "--seed", 1, "--epochs", 1], None),
+}
+
+
+@pytest.mark.parametrize("case", USAGE_ERRORS)
+def test_a_usage_error_says_what_to_do_in_hint_and_names_its_option(case):
+    """A usage error's JSON had "hint": null where its line says "Try '... --help' for help.",
+    and no "where" for the option click refused (tokpack's own errors name it there)."""
+    args, option = USAGE_ERRORS[case]
+    code, error, _ = failed(*args, "--json")
+    assert code == 2 and error["hint"] == f"see `main {args[0]} --help`", error
+    assert error["where"] == option and "HINT" not in error["message"], error
+
+
 @pytest.mark.parametrize(
     "raised,message,hint,code",
     [

@@ -316,6 +316,131 @@ def test_validate_reads_a_bucket(bucket_run, tmp_path):
     )
 
 
+def test_validate_against_sources_in_the_bucket(bucket_run, tmp_path):
+    """validate --against s3://SOURCE (the docs' CI step, for sources in a bucket) proves the
+    epochs, with or without a trailing slash; a source shuffled from its URL and replaced there
+    since is named as changed at that URL. It was an internal error (a URL is no pathlib path)."""
+    fs, bucket, run = bucket_run
+    upload(fs, tmp_path / "src", f"s3://{bucket}/src")
+    for against in (f"s3://{bucket}/src", f"s3://{bucket}/src/"):
+        result = cli("validate", f"s3://{bucket}/run", "--against", against, "--json")
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert json.loads(result.stdout)["ok"] is True
+    shuffle(f"s3://{bucket}/src", tmp_path / "from-url", seq_len=63, seed=2, epochs=1)
+    fs.rm(f"{bucket}/src", recursive=True)
+    other = write_source(tmp_path / "other", random_docs(np.random.default_rng(12), 300, 1000, 0))
+    upload(fs, other, f"s3://{bucket}/src")
+    result = cli("validate", str(tmp_path / "from-url"), "--against", f"s3://{bucket}/src", "--json")
+    assert result.returncode == 1, result.stdout + result.stderr
+    found = [p["found"] for p in json.loads(result.stdout)["problems"] if p["where"] == "sources"]
+    assert found and f"changed since the shuffle: s3://{bucket}/src now has fingerprint" in found[0], found
+
+
+def _shuffle_refusals(cases, tmp_path) -> None:
+    """Each (SOURCE, -o, file, hint) is one line naming `file`, the URL as given (not a local
+    folder it was downloaded to or written through), with its hint; no temporary file is left in
+    the scratch folder."""
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    args = ["--seq-len", "7", "--seed", "1", "--epochs", "1", "--scratch", str(scratch), "--json"]
+    for given, out, file, hint in cases:
+        result = cli("shuffle", given, "-o", out, *args)
+        line = one_line_error(result)
+        error = json.loads(result.stdout)["error"]
+        assert error["file"] == file and (error["hint"] or "").startswith(hint), (given, error)
+        assert line.startswith(f"tokpack: error: {file}"), line
+    assert not list(scratch.rglob("*.tmp-*")) and not list(scratch.glob("tokpack-out-*"))
+
+
+def test_a_source_url_refused_is_named_by_its_url(bucket_run, tmp_path):
+    """A source URL that is not a packed source, or not there: its URL, not the download."""
+    fs, bucket, _ = bucket_run
+    _shuffle_refusals(
+        [
+            (f"s3://{bucket}/run", str(tmp_path / "a"), f"s3://{bucket}/run/{MANIFEST}", "give a packed source"),
+            (f"s3://{bucket}/nothing", str(tmp_path / "b"), f"s3://{bucket}/nothing", "check the path or URL"),
+        ],
+        tmp_path,
+    )
+
+
+def test_an_output_url_that_is_an_object_is_refused_as_a_local_file_is(bucket_run, tmp_path):
+    """-o s3://.../tokpack.json (an object, not a folder): the state fetch wrote it onto the
+    scratch folder itself (EISDIR naming two local paths, a temporary file left behind)."""
+    fs, bucket, _ = bucket_run
+    upload(fs, tmp_path / "src", f"s3://{bucket}/src")
+    obj = f"s3://{bucket}/src/{MANIFEST}"
+    _shuffle_refusals([(f"s3://{bucket}/src", obj, obj, "choose another -o")], tmp_path)
+
+
+def test_a_file_given_for_the_directory_is_not_a_directory_in_every_command(bucket_run, tmp_path):
+    """RUN/tokpack.json given for RUN, in a bucket or on disk: stage and inspect say what
+    validate says (not a directory, pass the one holding tokpack.json), not that a run was
+    interrupted (inspect) or that the file cannot be read / is no tokpack directory (stage)."""
+    fs, bucket, run = bucket_run
+    for given in (f"s3://{bucket}/run/{MANIFEST}", str(run / MANIFEST)):
+        for command in (["stage", given, str(tmp_path / "dest")], ["inspect", given], ["validate", given]):
+            result = cli(*command, "--json")
+            assert result.returncode == 1, (command, result.stderr)
+            out = json.loads(result.stdout)
+            error = out["problems"][0] if command[0] == "validate" else out["error"]
+            assert (error["file"], error["message"], error["found"]) == (given, "not a directory", "a file"), error
+            assert error["hint"] == "pass the directory that holds tokpack.json", error
+    assert not (tmp_path / "dest").exists()
+
+
+def test_a_scratch_folder_not_made_yet_is_made_for_url_sources_too(bucket_run, tmp_path):
+    """--scratch (or $TOKPACK_STAGE_DIR) naming a folder not made yet: pack and shuffle -o URL
+    made it, shuffle of a URL source failed (ENOENT on SCRATCH/tokpack-stage-RANDOM, a name the
+    user never gave). The run is the one shuffled from the local source."""
+    fs, bucket, run = bucket_run
+    upload(fs, tmp_path / "src", f"s3://{bucket}/src")
+    scratch = tmp_path / "not" / "made"
+    shuffle(
+        f"s3://{bucket}/src", tmp_path / "from-url", seq_len=63, seed=2, epochs=2, shard_samples=150, scratch=scratch
+    )
+    assert without_paths(tree(tmp_path / "from-url")) == without_paths(tree(run))
+    assert scratch.is_dir() and not any(scratch.iterdir())
+
+
+_WITHOUT_S3FS = """
+import sys
+sys.modules["s3fs"] = None  # as on a machine without tokpack's [s3] extra
+from tokpack.packer.cli import main
+main()
+"""
+
+
+def test_a_url_whose_filesystem_is_not_installed_is_one_line_in_every_command(tmp_path):
+    """s3:// without s3fs (README: pip install 'tokpack[s3]'), or a scheme fsspec does not
+    know: every command said 'internal error (a bug in tokpack): ImportError: Install s3fs to
+    access S3' (exit 70) but stage; now one line naming the URL and what to install, exit 1."""
+    src = write_source(tmp_path / "src", random_docs(np.random.default_rng(1), 30, 1000, 0))
+    shuffle(src, tmp_path / "run", seq_len=15, seed=1, epochs=1)
+    settings = ["--seq-len", "15", "--seed", "1", "--epochs", "1"]
+    for url, hint in (("s3://b/d", "pip install 'tokpack[s3]' (s3fs)"), ("nosuch://b/d", "check the URL")):
+        for command in (
+            ["validate", url],
+            ["validate", str(tmp_path / "run"), "--against", url],
+            ["inspect", url],
+            ["read", url],
+            ["stage", url, str(tmp_path / "dest")],
+            ["pack", url, "-o", str(tmp_path / "out")],
+            ["pack", str(src), "-o", url],
+            ["shuffle", url, "-o", str(tmp_path / "out"), *settings],
+            ["shuffle", str(src), "-o", url, *settings],
+            ["shuffle", "--like", url, "--epoch", "1"],
+        ):
+            result = subprocess.run(
+                [sys.executable, "-c", _WITHOUT_S3FS, *command, "--json"], capture_output=True, text=True
+            )
+            line = one_line_error(result)
+            error = json.loads(result.stdout)["error"]
+            assert (error["file"], error["hint"]) == (url, hint), (command, error)
+            assert line.startswith(f"tokpack: error: {url}: "), (command, line)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "dest").exists()
+
+
 def test_inspect_reads_a_bucket(bucket_run, tmp_path):
     """inspect of an s3:// run whose source is in the bucket too (found next to the run, by
     name): the report of the local run with its local source."""

@@ -10,6 +10,7 @@ The free-space check counts every file the stage writes (rank files and their .i
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections import namedtuple
 from pathlib import Path
@@ -367,3 +368,42 @@ def test_a_best_fit_shard_without_its_pad_checksum_is_not_staged_as_unpadded(run
     )
     assert "HINT" in line
     assert not dest.exists() or not [p for p in dest.rglob("*") if p.name != "tokpack.lock"]
+
+
+def test_a_file_url_dest_is_the_local_path_it_names(runs, tmp_path):
+    """DEST file:///path is the local path /path (docs/CLUSTER.md), as for every other path
+    argument: it was refused as "DEST must be a local path ... found a URL". The copy and the
+    slice are those of the plain path."""
+    for args, plain in (
+        ([], runs["whole"]),
+        (["--ranks", "0-1", "--world-size", W, "--micro-batch", M], runs["slice01"]),
+    ):
+        dest = tmp_path / f"dest-{len(args)}"
+        res = CliRunner().invoke(main, [str(a) for a in ["stage", runs["run"], f"file://{dest}", *args]])
+        assert res.exit_code == 0, res.output
+        assert tree(dest) == tree(plain)
+
+
+@pytest.mark.parametrize("node", ["/2", "2/2", "x/2"])
+def test_a_bad_node_says_what_to_give(runs, tmp_path, node):
+    """--node "$SLURM_NODEID/2" outside a Slurm job is --node /2: the line had no HINT."""
+    res = CliRunner().invoke(
+        main,
+        [
+            "stage",
+            str(runs["run"]),
+            str(tmp_path / "d"),
+            "--node",
+            node,
+            "--ranks-per-node",
+            "2",
+            "--micro-batch",
+            "2",
+            "--json",
+        ],
+    )
+    assert res.exit_code == 1, res.output
+    error = json.loads(res.stdout)["error"]
+    assert (error["message"], error["found"].split(",")[0]) == ("bad --node", node), error
+    assert error["hint"] and "$SLURM_NODEID/$SLURM_NNODES" in error["hint"], error
+    assert not (tmp_path / "d").exists()

@@ -5,13 +5,15 @@ summary lacked a plain shuffle's fields, and it wrote no progress line in a log.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 from click.testing import CliRunner
 
 from conftest import random_docs, write_source
-from test_mpi import K, M, MEMORY, SEQ, summaries, to_nodes
+from test_mpi import K, M, MEMORY, SEQ, mpi_env, mpirun, summaries, to_nodes
 from tokpack.packer.api import ShuffleResult
 from tokpack.packer.cli import main
 
@@ -111,3 +113,26 @@ def test_the_summary_says_ok_first_as_every_commands_json(upsampled, tmp_path):
     done = _json("shuffle", *upsampled, "--memory", MEMORY, "-o", tmp_path / "run", *nodes)
     assert next(iter(done)) == "ok" and done["ok"] is True, list(done)[:3]
     assert done["nodes"] == 1 and done["epochs"] == [0, 1]
+
+
+def _one_node(cwd, *args) -> subprocess.CompletedProcess:
+    """`shuffle --to-nodes` as one process of one node, run from `cwd` (where a relative path lands)."""
+    command = [mpirun(), "-n", "1", sys.executable, "-m", "tokpack", "shuffle", *map(str, args), "--json"]
+    return subprocess.run(command, capture_output=True, text=True, env=mpi_env(), cwd=cwd, timeout=120)
+
+
+@pytest.mark.parametrize("option", ["--to-nodes", "--keep-sources"])
+def test_a_url_for_a_node_folder_is_refused_not_written_to_a_local_s3_folder(upsampled, tmp_path, option):
+    """--to-nodes s3://b/nodes (or --keep-sources s3://b/keep): the URL was made a Path, s3:/b/...,
+    which no longer looked like a URL, and the node's slice (or its kept sources) went to the local
+    folder ./s3:/b/... of the working directory; now the one line, exit 1, nothing written."""
+    (tmp_path / "cwd").mkdir()
+    dest = "s3://b/nodes" if option == "--to-nodes" else str(tmp_path / "node{node}")
+    args = [*upsampled, "-o", tmp_path / "run", "--to-nodes", dest, "--ranks-per-node", K, "--micro-batch", M]
+    if option == "--keep-sources":
+        args += ["--keep-sources", "s3://b/keep"]
+    done = _one_node(tmp_path / "cwd", *args)
+    assert done.returncode == 1, done.stderr[-2000:]
+    error = json.loads(done.stdout)["error"]
+    assert option in error["where"] and "writes" in error["message"] and "local director" in error["message"], error
+    assert not any((tmp_path / "cwd").iterdir()) and not (tmp_path / "run").exists()

@@ -38,6 +38,34 @@ def as_path(path) -> "Path | RemotePath":
     return Path(local) if local is not None else RemotePath(str(path))
 
 
+def url_filesystem(url: str):
+    """fsspec's filesystem for `url`; a scheme fsspec does not know, or whose package is not
+    installed (s3fs for s3://, gcsfs for gs://), is one line naming the URL."""
+    from fsspec.core import url_to_fs
+
+    scheme = url.split("://", 1)[0]
+    try:
+        return url_to_fs(url)[0]
+    except ImportError as e:  # fsspec's own words name the package: "Install s3fs to access S3"
+        raise TokpackError(
+            "the filesystem for this URL is not installed",
+            file=url,
+            expected=f"an fsspec backend for {scheme}://",
+            found="none installed",
+            hint="pip install 'tokpack[s3]' (s3fs)" if scheme in ("s3", "s3a") else f"{e}".rstrip("."),
+        ) from None
+    except ValueError as e:
+        if "protocol not known" not in str(e).lower():
+            raise
+        raise TokpackError(
+            "unknown URL scheme",
+            file=url,
+            expected="a local path or an fsspec URL (s3://, gs://, file://, ...)",
+            found=f"{scheme}://",
+            hint="check the URL",
+        ) from None
+
+
 class RemotePath:
     """A file or folder at an fsspec URL (s3://bucket/key...) with the pathlib calls tokpack's
     readers make, so one code path reads local files and objects alike. The filesystem is
@@ -45,12 +73,8 @@ class RemotePath:
 
     def __init__(self, url: str, fs=None):
         self.url = url.rstrip("/")  # as given, scheme included: what messages and manifests name
-        if fs is None:
-            from fsspec.core import url_to_fs
-
-            fs = url_to_fs(self.url)[0]
-        self.fs = fs
-        self.key = fs._strip_protocol(self.url)  # the path the filesystem knows it by
+        self.fs = url_filesystem(self.url) if fs is None else fs
+        self.key = self.fs._strip_protocol(self.url)  # the path the filesystem knows it by
 
     def __str__(self) -> str:
         return self.url

@@ -76,6 +76,8 @@ class Outbox:
                 found="none",
                 hint="create it first (aws s3 mb), or check the URL and the endpoint",
             ) from None
+        if root.is_file():  # its state would be fetched onto the local folder itself
+            raise TokpackError("output exists and is not a directory", file=self.remote, hint="choose another -o")
 
     def fetch_state(self, manifest: str) -> None:
         """Copies every JSON file under `remote` (the state an earlier run left) to `local`, after
