@@ -157,8 +157,9 @@ def test_interrupted_copy_leaves_incomplete_dest(small_source, tmp_path, monkeyp
 def test_unreachable_and_bad_sources(tmp_path):
     with pytest.raises(TokpackError, match="no tokpack.json"):
         stage(tmp_path / "nope", tmp_path / "dst")
-    with pytest.raises(TokpackError, match="cannot open the source"):
+    with pytest.raises(TokpackError, match="nosuchproto://bucket/x: unknown URL scheme.*HINT: check the URL"):
         stage("nosuchproto://bucket/x", tmp_path / "dst2")
+    assert not (tmp_path / "dst2").exists()
     (tmp_path / "notjson").mkdir()
     (tmp_path / "notjson" / MANIFEST).write_text("{")
     with pytest.raises(TokpackError, match="not valid JSON"):
