@@ -1,0 +1,72 @@
+"""Manifests edited by hand or damaged, as a user meets them: `validate` gives each a CORRUPT
+line (file, field, expected, found, hint) and exit 1, never a traceback and never OK."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tokpack.formats.constants import MANIFEST
+from tokpack.formats.reading import canonical_bytes
+from tokpack.packer.api import validate as validate_result
+from tests.conftest import random_docs, shuffle_run, write_source
+
+VOCAB, EOS, SEQ_LEN = 1000, 0, 31
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    """src/ (a packed source of 3 shards) and bf/ (a best-fit run of it, epoch 0)."""
+    root = tmp_path_factory.mktemp("hostile")
+    docs = random_docs(np.random.default_rng(5), 90, VOCAB, EOS, max_len=100)
+    write_source(root / "src", docs, vocab_size=VOCAB, eos_id=EOS, docs_per_shard=30)
+    shuffle_run([str(root / "src")], str(root / "bf"), seq_len=SEQ_LEN, seed=2, epochs=[0], packing="best-fit")
+    return root
+
+
+@pytest.fixture
+def env(base, tmp_path) -> Path:
+    for name in ("src", "bf"):
+        shutil.copytree(base / name, tmp_path / name)
+    return tmp_path
+
+
+def edit(directory: Path, change) -> None:
+    """Changes the manifest in `directory` and writes it back as tokpack serialises it, so that
+    only the change, not the bytes, tells it from one tokpack wrote."""
+    m = json.loads((directory / MANIFEST).read_bytes())
+    change(m)
+    (directory / MANIFEST).write_bytes(canonical_bytes(m))
+
+
+def problems(*dirs: Path, against: list[Path] = ()) -> tuple[str, list[tuple]]:
+    r = validate_result([str(d) for d in dirs], quick=False, against=[str(a) for a in against], workers=1)
+    j = r.to_json()
+    return j["status"], [(p["file"], p["where"], p["expected"], p["found"], p["message"]) for p in j["problems"]]
+
+
+@pytest.mark.parametrize("value", [5, -1, 2**63, 1.5, True])
+def test_shards_that_is_no_list_is_one_line(env, value):
+    """`shards` a number or a bool (not a list) crashed validate (TypeError: 'int' object is
+    not iterable: the listing and padding checks iterated it): one line naming the field."""
+    edit(env / "src", lambda m: m.__setitem__("shards", value))
+    status, found = problems(env / "src")
+    assert status == "corrupt" and found == [
+        (str(env / "src" / MANIFEST), "shards", "a JSON list", repr(value), "manifest field has the wrong type")
+    ]
+
+
+@pytest.mark.parametrize("value", ["x", None, [], {}])
+def test_best_fit_shard_samples_of_the_wrong_type_is_one_line(env, value):
+    """A best-fit shard entry's `samples` not an int crashed validate (its `.ds.pad` size was
+    worked out with int() of it): the field's own line, and the pad file is not read by it."""
+    epoch = env / "bf" / "epoch-00000"
+    edit(epoch, lambda m: m["shards"][0].__setitem__("samples", value))
+    status, found = problems(epoch)
+    assert status == "corrupt" and found == [
+        (str(epoch / MANIFEST), "shards[0].samples", "a JSON int", repr(value), "manifest field has the wrong type")
+    ]
