@@ -70,3 +70,56 @@ def test_best_fit_shard_samples_of_the_wrong_type_is_one_line(env, value):
     assert status == "corrupt" and found == [
         (str(epoch / MANIFEST), "shards[0].samples", "a JSON int", repr(value), "manifest field has the wrong type")
     ]
+
+
+PLANNED = [
+    ("passes", 2**63),
+    ("first_pass", 2**62),
+    ("windows", 2**63),
+    ("documents", 7),
+    ("tokens", 5),
+]
+
+
+@pytest.mark.parametrize("key,value", PLANNED, ids=[k for k, _ in PLANNED])
+def test_best_fit_source_entry_edited_is_never_proven_ok(env, key, value):
+    """A best-fit epoch's source entries (passes, first pass, rows of a pass, documents) were
+    checked by nothing: `validate --against` replayed the samples, found them right and said
+    OK of a manifest whose figures (shown by inspect) were edited. Now the replay's plan must
+    record them: CORRUPT, naming the field, the planned value and the one found."""
+    epoch = env / "bf" / "epoch-00000"
+    want = json.loads((epoch / MANIFEST).read_bytes())["sources"][0][key]
+    edit(epoch, lambda m: m["sources"][0].__setitem__(key, value))
+    status, found = problems(epoch, against=[env / "src"])
+    assert status == "corrupt", found
+    assert (
+        str(epoch / MANIFEST),
+        f"sources[0].{key}",
+        f"{want} (replayed from the sources)",
+        str(value),
+        "epoch manifest's source entry is not its plan's",
+    ) in found, found
+
+
+@pytest.mark.parametrize(
+    "key,value,where,expected",
+    [
+        ("offset", 3, "sources[0].offset", "0 (a packed epoch cuts no windows)"),
+        ("dropped_tokens", 9, "sources[0].dropped_tokens", "0 (a packed epoch cuts no windows)"),
+        ("passes", 2**63, "sources[0].passes", None),
+    ],
+)
+def test_best_fit_source_entry_impossible_without_the_sources(env, key, value, where, expected):
+    """What the manifest alone tells of a best-fit epoch's entries (no window offset, nothing
+    dropped, at most a pass a sample) is checked without --against too: it was OK."""
+    epoch = env / "bf" / "epoch-00000"
+    edit(epoch, lambda m: m["sources"][0].__setitem__(key, value))
+    status, found = problems(epoch)
+    assert status == "corrupt" and [w for _, w, *_ in found] == [where], found
+    samples = json.loads((epoch / MANIFEST).read_bytes())["sources"][0]["samples"]
+    assert found[0][2] == (expected or f"1..{samples} (at most a pass a sample)") and found[0][3] == str(value)
+
+
+def test_the_undamaged_best_fit_run_is_ok(env):
+    """The checks above blame edits only: the run as written is OK, against its source too."""
+    assert problems(env / "bf", against=[env / "src"]) == ("ok", [])
