@@ -28,9 +28,9 @@ import numpy as np
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io.paths import as_path
 from tokpack.formats.io.progress_log import progress
-from tokpack.formats.io.gate import read_array, regular_size
+from tokpack.formats.io.gate import contained, read_array, regular_size
 from tokpack.formats.constants import EPOCH, HOLDOUT_DIR, MANIFEST, RUN, SOURCE, U64
-from tokpack.formats.names import epoch_dir_name
+from tokpack.formats.slices import contained_epoch_dir
 from tokpack.formats.reading import manifest_kind, read_manifest, read_source_manifest
 from tokpack.formats.packing import holdout_recorded
 from tokpack.formats.shards import PackedSource
@@ -309,12 +309,16 @@ def inspect(directory, *, batch_size, batches, plot, seq_len, epoch, memory, doc
 
         report["epochs"] = _epoch_shares(epochs)
         report["packing"] = shown_of_epochs([m for _, _, m in epochs])
-    if kind == RUN and (directory / HOLDOUT_DIR / MANIFEST).is_file():
+    held_dir = None  # the run's held-out split, inside the run as its epochs are
+    if kind == RUN:
+        where = f"epochs ({HOLDOUT_DIR})"
+        held_dir = contained(directory, HOLDOUT_DIR, manifest=directory / MANIFEST, where=where, regular=False)
+    if held_dir is not None and (held_dir / MANIFEST).is_file():
         from tokpack.shuffle.packings import shown
 
-        held = read_manifest(directory / HOLDOUT_DIR, EPOCH)
+        held = read_manifest(held_dir, EPOCH)
         report["holdout"] = {
-            "path": str(directory / HOLDOUT_DIR),
+            "path": str(held_dir),
             "samples": int(held["samples"]),
             "sources": [
                 {"name": e.get("name"), "held_documents": e.get("held_documents")} for e in held.get("sources") or []
@@ -460,10 +464,9 @@ def _epochs_of(directory: Path, manifest: dict) -> list[tuple[int, Path, dict]]:
     if manifest["kind"] == EPOCH:
         return [(int(manifest["epoch"]), directory, manifest)]
     if manifest["kind"] == RUN:
-        return [
-            (int(e), directory / epoch_dir_name(int(e)), read_manifest(directory / epoch_dir_name(int(e)), EPOCH))
-            for e in manifest.get("epochs") or []
-        ]
+        # each inside the run: a symbolic link out (another run's epoch) is refused, never reported as this run's
+        dirs = [(int(e), contained_epoch_dir(directory, int(e))) for e in manifest.get("epochs") or []]
+        return [(e, d, read_manifest(d, EPOCH)) for e, d in dirs]
     return []
 
 

@@ -1,0 +1,72 @@
+"""`tokpack inspect`, `read` and `validate` on every kind of directory a user points them at:
+a run whose folders lead elsewhere, a run whose tokens are elsewhere, another tool's data, an
+empty folder. The report is true, or one line says what is there and what to give instead."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from tests.conftest import random_docs, shuffle_run, write_source
+from tokpack.formats.names import epoch_dir_name
+from tokpack.packer.cli import main
+
+SEQ_LEN = 31
+
+
+def cli(*args) -> tuple[int, str, str]:
+    r = CliRunner().invoke(main, [str(a) for a in args])
+    return r.exit_code, r.stdout, r.stderr
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    """src/; run/ (windows, seed 1, epochs 0-1); bf/ and other/ (best-fit with --holdout, seeds 1 and 9)."""
+    root = tmp_path_factory.mktemp("targets")
+    docs = random_docs(np.random.default_rng(8), 120, 1000, 0, max_len=100)
+    write_source(root / "src", docs, docs_per_shard=40)
+    src = [str(root / "src")]
+    shuffle_run(src, str(root / "run"), seq_len=SEQ_LEN, seed=1, epochs=[0, 1], shard_samples=50)
+    for name, seed in (("bf", 1), ("other", 9)):
+        shuffle_run(src, str(root / name), seq_len=SEQ_LEN, seed=seed, epochs=[0], packing="best-fit", holdout="5%")
+    return root
+
+
+@pytest.fixture
+def env(base, tmp_path) -> Path:
+    for name in ("src", "run", "bf", "other"):
+        shutil.copytree(base / name, tmp_path / name, symlinks=True)
+    return tmp_path
+
+
+def _link_out(run: Path, name: str, target: Path) -> None:
+    shutil.rmtree(run / name)
+    (run / name).symlink_to(target, target_is_directory=True)
+
+
+def test_inspect_refuses_an_epoch_folder_that_leads_out_of_the_run(env, base):
+    """inspect read a run's epoch-00000/ through a symbolic link to another run's epoch (here
+    another copy's epoch 1) and reported it, or its mismatch, as the run's; validate, read and
+    stage refuse it. Now inspect gives their line: the field, the folder, where it leads."""
+    _link_out(env / "run", epoch_dir_name(0), base / "run" / epoch_dir_name(1))
+    for command in ("inspect", "validate", "read"):
+        code, _, err = cli(command, env / "run")
+        assert code == 1 and "manifest names a file outside its folder" in err, (command, err)
+        assert f"{env / 'run' / 'tokpack.json'} [epochs (0)]" in err and "Traceback" not in err, (command, err)
+
+
+def test_a_held_out_split_that_leads_out_of_the_run_is_not_the_runs(env):
+    """RUN/holdout/ linked to another run's held-out split (another seed, another fraction):
+    validate said OK and inspect reported that split as the run's. Both now refuse it, as
+    stage does, naming the folder; nothing outside is read."""
+    _link_out(env / "bf", "holdout", env / "other" / "holdout")
+    code, out, err = cli("validate", env / "bf")
+    assert code == 1 and "CORRUPT" in out + err and "manifest names a file outside its folder" in out + err
+    assert f"OK epoch {env / 'bf' / 'holdout'}" not in out + err
+    code, out, err = cli("inspect", env / "bf")
+    assert code == 1 and out == "" and "[epochs (holdout)]: manifest names a file outside its folder" in err, err
+    assert cli("validate", env / "other")[0] == 0  # the split linked to is fine where it is
