@@ -19,7 +19,7 @@ from .constants import (
     SOURCE,
 )
 from .errors import TokpackError
-from .fields import MANIFEST_FIELDS, SHARD_FIELDS, SOURCE_FIELDS, field_problems, type_ok
+from .fields import MANIFEST_FIELDS, PACKING_FIELDS, SHARD_FIELDS, SOURCE_FIELDS, field_problems, type_ok
 from .hashes import fingerprint, hash_hex64, name_hash
 from .io.paths import as_path, name_problem
 from .names import dtype_for_vocab, dtype_from_name, dtype_name
@@ -71,6 +71,7 @@ def check_manifest(m: dict, directory, add) -> bool:
         return False  # a malformed manifest cannot drive the checks below
     if not _check_header(m, mfile, add):
         return False
+    _check_packing(m, kind, mfile, add)
     if kind in SLICE_KINDS:  # a node slice's: its totals here, its rank arithmetic in formats/slices.py
         _check_slice_manifest(m, shards, mfile, add)
         _check_shard_names(shards, mfile, add)
@@ -102,6 +103,13 @@ def check_manifest(m: dict, directory, add) -> bool:
     _check_epoch_manifest(as_path(directory), m, mfile, add, row)
     # seq_len or the counts are wrong: rows cannot be cut, the lines above say why
     return all(s["tokens"] == s["samples"] * row for s in shards)
+
+
+def _check_packing(m: dict, kind: str, mfile: str, add) -> None:
+    """A packed epoch's or run's `packing` object against its field table: what replays its rows
+    (method, group size, pad id) and what vouches for them (the row table's checksum, the padding)."""
+    if rows_padded(m) and kind in (EPOCH, RUN):
+        _fields(m["packing"], PACKING_FIELDS, kind, mfile, add, "packing.")
 
 
 def _check_header(m: dict, mfile: str, add) -> bool:
@@ -384,6 +392,7 @@ def _check_run_manifest(m: dict, mfile: str, add) -> None:
         return
     if not _check_header(m, mfile, add):
         return
+    _check_packing(m, RUN, mfile, add)
     epochs = m["epochs"]
     if not all(type_ok(e, int) and e >= 0 for e in epochs) or len(set(epochs)) != len(epochs):
         add(mfile, "epochs", "distinct epoch numbers >= 0", epochs[:8], "bad epoch list")

@@ -123,3 +123,39 @@ def test_best_fit_source_entry_impossible_without_the_sources(env, key, value, w
 def test_the_undamaged_best_fit_run_is_ok(env):
     """The checks above blame edits only: the run as written is OK, against its source too."""
     assert problems(env / "bf", against=[env / "src"]) == ("ok", [])
+
+
+PACKING_EDITS = [
+    ("group_tokens", None, "field 'group_tokens'", "no such field", "manifest field missing"),
+    ("pad_id", None, "field 'pad_id'", "no such field", "manifest field missing"),
+    ("method", 5, "a JSON str", "5", "manifest field has the wrong type"),
+    ("group_tokens", 0, ">= 1", "0", "manifest field out of range"),
+    ("pad_id", -1, ">= 0", "-1", "manifest field out of range"),
+    ("table_xxh3_128", "XYZ", "32 lowercase hex digits", "'XYZ'", "malformed checksum"),
+    ("padding_tokens", None, "field 'padding_tokens'", "no such field", "manifest field missing"),
+]
+
+
+@pytest.mark.parametrize(
+    "key,value,expected,found,message", PACKING_EDITS, ids=[f"{e[0]}={e[1]}" for e in PACKING_EDITS]
+)
+def test_best_fit_packing_object_is_checked(env, key, value, expected, found, message):
+    """A best-fit epoch's `packing` object was checked by no field table: without `group_tokens`
+    or `pad_id` validate said OK, and with --against crashed (KeyError, exit 70); a method of
+    the wrong type or a malformed row-table checksum was OK. Now each is its field's line, with
+    and without --against, and nothing crashes."""
+    epoch = env / "bf" / "epoch-00000"
+    edit(epoch, lambda m: m["packing"].pop(key) if value is None else m["packing"].__setitem__(key, value))
+    line = (str(epoch / MANIFEST), f"packing.{key}", expected, found, message)
+    for against in ([], [env / "src"]):
+        status, lines = problems(epoch, against=against)
+        assert status == "corrupt" and line in lines, (against, lines)
+
+
+def test_a_best_fit_run_manifest_without_its_pad_id_is_one_line(env):
+    """The run's `packing` (what --like and stage repeat) has its table's required fields too."""
+    edit(env / "bf", lambda m: m["packing"].pop("pad_id"))
+    status, lines = problems(env / "bf")
+    assert status == "corrupt" and lines == [
+        (str(env / "bf" / MANIFEST), "packing.pad_id", "field 'pad_id'", "no such field", "manifest field missing")
+    ]
