@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shlex
 from array import array
 from pathlib import Path
 
@@ -60,6 +61,16 @@ def read_manifest(directory: str | Path, kind: str | tuple[str, ...] | None = No
                 found="a file" if directory.is_file() else "neither a file nor a directory",
                 hint="pass the directory that holds tokpack.json",
             )
+        if isinstance(directory, Path) and not written_by_tokpack(directory):
+            # another tool's data, or an empty folder: no command of tokpack's to rerun here
+            raise IncompleteError(
+                "not a tokpack directory: no tokpack.json",
+                file=directory,
+                expected="a directory tokpack wrote (a packed source, a run, an epoch or a node slice)",
+                found=_what_is_there(directory),
+                hint="give the directory tokpack wrote; other tokenized data (Megatron .bin/.idx, a Hugging Face "
+                f"dataset, JSONL, Parquet) is packed first: `tokpack pack {shlex.quote(str(directory))} -o PACKED`",
+            )
         raise IncompleteError(
             "incomplete: no tokpack.json",
             file=directory,
@@ -69,6 +80,31 @@ def read_manifest(directory: str | Path, kind: str | tuple[str, ...] | None = No
     if checked:
         require_valid(manifest, directory)
     return manifest
+
+
+# What a tokpack command leaves in a folder before its tokpack.json: a shard's or rank file's
+# files, a temporary name, its lock, its work folder, an epoch folder, a sidecar.
+_TRACE = re.compile(r"^(\d{5,}\.ds|rank-\d+\.ds|epoch-\d+$|holdout$|tokpack[.-])|\.tmp-|^\.tokpack-work$")
+
+
+def written_by_tokpack(directory: Path) -> bool:
+    """Whether a folder without tokpack.json holds what a tokpack command writes before it (or
+    is an epoch folder of a run being written): an unfinished directory, which the command's
+    rerun finishes, not another tool's data or an empty folder. Unreadable: assume it is."""
+    try:
+        beside = (p for p in directory.parent.iterdir() if p.name != directory.name)
+        if _TRACE.match(directory.name) and any(_TRACE.match(p.name) for p in beside):
+            return True  # a run's epoch-NNNNN/ or holdout/ just created, still empty
+        return any(_TRACE.search(p.name) for p in directory.iterdir())
+    except OSError:
+        return True
+
+
+def _what_is_there(directory: Path) -> str:
+    names = sorted(p.name for p in directory.iterdir())
+    if not names:
+        return "an empty folder"
+    return f"{len(names):,} other file{'s' * (len(names) != 1)} ({', '.join(names[:3])}{', ...' * (len(names) > 3)})"
 
 
 def require_valid(manifest: dict, directory) -> None:

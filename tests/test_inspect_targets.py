@@ -70,3 +70,39 @@ def test_a_held_out_split_that_leads_out_of_the_run_is_not_the_runs(env):
     code, out, err = cli("inspect", env / "bf")
     assert code == 1 and out == "" and "[epochs (holdout)]: manifest names a file outside its folder" in err, err
     assert cli("validate", env / "other")[0] == 0  # the split linked to is fine where it is
+
+
+def _megatron(folder: Path) -> Path:
+    folder.mkdir()
+    np.arange(100, dtype=np.uint16).tofile(folder / "data_text_document.bin")
+    (folder / "data_text_document.idx").write_bytes(b"MMIDIDX\x00\x00" + bytes(40))
+    return folder
+
+
+@pytest.mark.parametrize("what", ["megatron", "empty"])
+def test_another_tools_data_is_not_called_an_interrupted_run(tmp_path, what):
+    """inspect, validate and read of a Megatron .bin/.idx folder (or an empty one) said
+    "incomplete: no tokpack.json. HINT: the run that writes it was interrupted or is still
+    running; rerun the same command": no tokpack command ever wrote there. Now one line says
+    it is not a tokpack directory, what is there, and how to make one of it."""
+    folder = _megatron(tmp_path / "mega") if what == "megatron" else tmp_path / "empty"
+    folder.mkdir(exist_ok=True)
+    found = "an empty folder" if what == "empty" else "2 other files (data_text_document.bin, data_text_document.idx)"
+    for command in ("inspect", "read", "validate"):
+        code, out, err = cli(command, folder)
+        text = (out + err).strip()
+        assert code == 1 and "rerun the same command" not in text, (command, text)
+        assert f"{folder}: not a tokpack directory: no tokpack.json; expected a directory tokpack wrote" in text
+        assert f"found {found}. HINT: " in text and f"`tokpack pack {folder} -o PACKED`" in text, text
+
+
+def test_an_interrupted_run_is_still_one(env):
+    """What a tokpack command left before its tokpack.json (an epoch folder being written, a
+    lock, shard files) keeps the line that says to rerun it."""
+    epoch = env / "run" / epoch_dir_name(5)
+    epoch.mkdir()
+    (env / "out").mkdir()
+    (env / "out" / "tokpack.lock").write_text("{}")
+    for folder in (epoch, env / "out"):
+        code, _, err = cli("inspect", folder)
+        assert code == 1 and "incomplete: no tokpack.json" in err and "rerun the same command" in err, err
