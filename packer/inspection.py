@@ -29,11 +29,11 @@ from tokpack.formats.errors import TokpackError
 from tokpack.formats.io.paths import as_path
 from tokpack.formats.io.progress_log import progress
 from tokpack.formats.io.gate import contained, read_array, regular_size
-from tokpack.formats.constants import EPOCH, HOLDOUT_DIR, MANIFEST, RUN, SOURCE, U64
+from tokpack.formats.constants import EPOCH, HOLDOUT_DIR, MANIFEST, RUN, SOURCE, STAGE_SIDECAR, U64
 from tokpack.formats.slices import contained_epoch_dir
-from tokpack.formats.reading import manifest_kind, read_manifest, read_source_manifest
+from tokpack.formats.reading import manifest_kind, partial_stage_absent, read_manifest, read_source_manifest
 from tokpack.formats.packing import holdout_recorded
-from tokpack.formats.shards import PackedSource
+from tokpack.formats.shards import PackedSource, tokens_on_nodes
 from tokpack.formats.units import counted
 from tokpack.loader.reader import SampleReader
 from tokpack.packer.shared import Result, optional_field
@@ -337,10 +337,23 @@ def inspect(directory, *, batch_size, batches, plot, seq_len, epoch, memory, doc
         }
 
     L = report["totals"]["seq_len"] if kind != SOURCE else seq_len
+    away = _tokens_away(chosen)
     if L is not None:
-        diversity = batch_diversity(sources, chosen, int(L), batch, batches, memory)
+        diversity = batch_diversity(sources, None if away else chosen, int(L), batch, batches, memory)
+        if away:  # the epoch's figures above are its manifests'; its samples are not here to analyse
+            diversity["note"] = f"{away}: no batches after the shuffle analysed"
         if diversity:
             report["batch_diversity"] = diversity
+    if documents_per_row and away:
+        raise TokpackError(
+            "--documents-per-row reads the epoch's tokens, which are not in this directory",
+            file=chosen[1],
+            where="--documents-per-row",
+            expected="the epoch's token files",
+            found=away,
+            hint="inspect a directory that holds the whole epoch (the run it was staged or shuffled from, "
+            "or a node's slice with `tokpack read`)",
+        )
     if documents_per_row and chosen is not None and chosen[2].get("eos_id") is not None:
         # One pass over the epoch's rows (asked for: O(the epoch's bytes), where the rest of
         # inspect reads manifests and a few batches): the smallest max_documents it takes.
@@ -468,6 +481,22 @@ def _epochs_of(directory: Path, manifest: dict) -> list[tuple[int, Path, dict]]:
         dirs = [(int(e), contained_epoch_dir(directory, int(e))) for e in manifest.get("epochs") or []]
         return [(e, d, read_manifest(d, EPOCH)) for e, d in dirs]
     return []
+
+
+def _tokens_away(chosen) -> str | None:
+    """Why the chosen epoch's token files are not in its folder (None: they are): a run of
+    `shuffle --to-nodes` keeps them in the node slices, a `stage --shards-of` copy left some out."""
+    if chosen is None:
+        return None
+    _, folder, m = chosen
+    shards = m.get("shards") or []
+    if tokens_on_nodes(folder, shards):
+        return "the epoch's tokens are in node slices (shuffle --to-nodes), not in the run"
+    absent = partial_stage_absent(folder.parent) if isinstance(folder, Path) else {}
+    left = sum(str(folder / s["path"]) in absent for s in shards)
+    if left:
+        return f"{left} of the epoch's {len(shards)} shards were left out by a partial stage ({STAGE_SIDECAR})"
+    return None
 
 
 def _sources_of(directory: Path, manifest: dict, epochs, report: dict) -> tuple[list[str], list[PackedSource]]:

@@ -4,6 +4,7 @@ empty folder. The report is true, or one line says what is there and what to giv
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -106,3 +107,45 @@ def test_an_interrupted_run_is_still_one(env):
     for folder in (epoch, env / "out"):
         code, _, err = cli("inspect", folder)
         assert code == 1 and "incomplete: no tokpack.json" in err and "rerun the same command" in err, err
+
+
+def _as_to_nodes(run: Path) -> None:
+    """The run as `shuffle --to-nodes` leaves it (docs/FORMAT.md, tokpack-nodes.json): its
+    manifests and row hashes, the sidecar, no token file; the tokens are on the nodes."""
+    sidecar = {"format": "tokpack-nodes", "note": "", "nodes": 2, "ranks_per_node": 1, "micro_batch": 1}
+    (run / "tokpack-nodes.json").write_text(json.dumps({**sidecar, "dest": "/nvme/slice-{node}"}))
+    for f in run.glob("epoch-*/*.ds"):
+        f.unlink()
+
+
+def test_an_epoch_of_a_to_nodes_run_says_where_its_tokens_are(env):
+    """read of one epoch of a `shuffle --to-nodes` run said "shard listed in the manifest is
+    missing. HINT: restore the file", and so did inspect of the run or the epoch: nothing is
+    missing, the tokens are in the node slices. read now gives the line it gives for the run;
+    inspect reports what the manifests and sources tell, with a note instead of the batches
+    after the shuffle; --documents-per-row, which reads the tokens, is one line."""
+    _as_to_nodes(env / "run")
+    epoch = env / "run" / epoch_dir_name(1)
+    for folder in (env / "run", epoch):
+        code, _, err = cli("read", folder)
+        assert code == 1 and "this run's tokens are in node slices (shuffle --to-nodes)" in err, err
+        assert "/nvme/slice-{node}" in err and "missing" not in err, err
+        code, out, err = cli("inspect", folder, "--json")
+        diversity = json.loads(out)["batch_diversity"]
+        assert code == 0 and "after" not in diversity and "before" in diversity, (out, err)
+        assert diversity["note"].startswith("the epoch's tokens are in node slices"), diversity
+    code, out, err = cli("inspect", epoch, "--documents-per-row")
+    assert code == 1 and out == "" and "[--documents-per-row]" in err and "node slices" in err, err
+
+
+def test_a_partial_stage_is_inspected_without_the_shards_it_left_out(env, tmp_path):
+    """inspect of a `stage --shards-of` copy that left shards out said "shard listed in the
+    manifest is missing. HINT: restore the file" (validate and read know the copy is partial
+    by design): the report now says so in its note, and analyses no batch it cannot read."""
+    copy = tmp_path / "part"
+    code, _, err = cli("stage", env / "run", copy, "--shards-of", "0/2", "--micro-batch", "50")
+    assert code == 0 and (copy / "tokpack-stage.json").is_file(), err
+    code, out, err = cli("inspect", copy, "--json")
+    diversity = json.loads(out)["batch_diversity"]
+    assert code == 0 and "after" not in diversity, (out, err)
+    assert "shards were left out by a partial stage (tokpack-stage.json)" in diversity["note"], diversity
