@@ -21,6 +21,7 @@ from .constants import (
     MANIFEST,
     MAX_MANIFEST_BYTES,
     MAX_MANIFEST_DEPTH,
+    SLICE_KINDS,
     SOURCE,
     STAGE_SIDECAR,
 )
@@ -194,15 +195,22 @@ def _checked_header(manifest, path, kind) -> dict:
         )
     if manifest.get("format") != FORMAT_NAME:
         raise TokpackError(
-            "not a tokpack manifest", file=path, where="format", expected=FORMAT_NAME, found=manifest.get("format")
+            "not a tokpack manifest",
+            file=path,
+            where="format",
+            expected=FORMAT_NAME,
+            found=repr(manifest.get("format"))[:60],
+            hint="this tokpack.json was not written by tokpack: give a directory tokpack wrote, or restore its "
+            "manifest from the run that wrote it",
         )
-    if manifest.get("version") != FORMAT_VERSION:
+    if type(manifest.get("version")) is not int or manifest["version"] != FORMAT_VERSION:
+        version = manifest.get("version")
         raise TokpackError(
             "unsupported format version",
             file=path,
             where="version",
             expected=FORMAT_VERSION,
-            found=manifest.get("version"),
+            found=version if type(version) is int else repr(version)[:60],  # "1" is not 1
             hint="use the tokpack release that wrote this directory",
         )
     kinds = ((kind,) if isinstance(kind, str) else kind) or KINDS
@@ -213,8 +221,25 @@ def _checked_header(manifest, path, kind) -> dict:
             where="kind",
             expected=" or ".join(kinds),
             found=manifest.get("kind"),
+            hint=_kind_hint(manifest, kinds),
         )
     return manifest
+
+
+def _kind_hint(manifest: dict, kinds) -> str:
+    """What to give a command instead of a tokpack directory of another kind (a caller that knows
+    better, as shuffle does of its SOURCEs, says so in its own words)."""
+    found = manifest.get("kind")
+    if found in SLICE_KINDS:
+        run = manifest.get("source")
+        run = f" ({run})" if isinstance(run, str) and len(run) < 4096 else ""
+        return (
+            "a node slice holds some ranks' rows only: read it with `tokpack read` and check it with "
+            f"`tokpack validate`; give other commands the run it was staged from{run}"
+        )
+    if found in (*KINDS, *SLICE_KINDS):
+        return f"give a {' or '.join(kinds)} directory: this one is a tokpack {found}"
+    return "the manifest was edited or belongs elsewhere; restore it or rerun the command that wrote it"
 
 
 # ------------------------------------------------------------------ a manifest read by validate

@@ -149,3 +149,34 @@ def test_a_partial_stage_is_inspected_without_the_shards_it_left_out(env, tmp_pa
     diversity = json.loads(out)["batch_diversity"]
     assert code == 0 and "after" not in diversity, (out, err)
     assert "shards were left out by a partial stage (tokpack-stage.json)" in diversity["note"], diversity
+
+
+def test_a_node_slice_given_where_a_run_is_taken_says_what_to_give(env, tmp_path):
+    """inspect (and stage, plan) of a node slice said "wrong kind of tokpack directory; expected
+    source or run or epoch, found slice" and no HINT: the line now says what a slice is read
+    with and names the run it was staged from."""
+    dest = tmp_path / "slice"
+    assert cli("stage", env / "run", dest, "--node", "0/2", "--ranks-per-node", "1", "--micro-batch", "1")[0] == 0
+    for args in (("inspect", dest), ("stage", dest, tmp_path / "copy")):
+        code, _, err = cli(*args)
+        assert code == 1 and "found slice. HINT: a node slice holds some ranks' rows only" in err, err
+        assert f"the run it was staged from ({env / 'run'})" in err, err
+
+
+@pytest.mark.parametrize(
+    "key,value,found",
+    [
+        ("version", "1", "found '1'. HINT: "),
+        ("format", "x", "found 'x'. HINT: "),
+    ],
+)
+def test_a_manifest_header_line_shows_what_was_found_and_a_hint(env, key, value, found):
+    """`version: "1"` said "unsupported format version; expected 1, found 1" (the string and
+    the number print alike), and a `format` not tokpack's had no HINT. The found value is now
+    shown as JSON has it, each with a hint."""
+    path = env / "src" / "tokpack.json"
+    m = json.loads(path.read_bytes())
+    m[key] = value
+    path.write_text(json.dumps(m, indent=1) + "\n")
+    code, _, err = cli("inspect", env / "src")
+    assert code == 1 and f"{path} [{key}]: " in err and found in err, err
