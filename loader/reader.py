@@ -40,7 +40,7 @@ from tokpack.formats.arguments import flag, text, tokens, whole
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io.paths import as_path, is_url
 from tokpack.formats.io.gate import read_limited
-from tokpack.formats.constants import EPOCH, MANIFEST, NODES_SIDECAR, RUN, RUN_KEYS, SLICE
+from tokpack.formats.constants import EPOCH, MANIFEST, MAX_EPOCHS, NODES_SIDECAR, RUN, RUN_KEYS, SLICE
 from tokpack.formats.reading import partial_stage_absent, read_manifest, strict_json
 from tokpack.formats.numbering import EpochNumbering, shuffle_command
 from tokpack.formats.shards import row_segments, tokens_on_nodes
@@ -273,6 +273,17 @@ class SampleReader(ShardFiles):
         """Sample g lies in `epoch`, which this run does not hold (yet): say which command writes it."""
         run_dir, run = self.run if self.run is not None else (self.table.epoch_dirs[-1], {})
         hint = f"write it with `{shuffle_command(run, run_dir, epoch)}`"
+        message, expected = (
+            f"sample {g} is in epoch {epoch}, which is not written yet",
+            f"epoch {epoch} among the run's epochs",
+        )
+        if epoch >= MAX_EPOCHS:  # no run holds it (no command writes it): the start given is not this run's count
+            message = f"sample {g} is in epoch {epoch}, past the last epoch a run holds ({MAX_EPOCHS - 1:,})"
+            expected = "a start in the run's epochs"
+            hint = (
+                f"check the start (--start-sample, or --consumed-tokens, which starts at sample tokens // "
+                f"{self.seq_len}, the seq_len)"
+            )
         later = [pos for pos, first in enumerate(self.table.epoch_starts) if first > g]
         if later:  # e.g. a staged copy of some epochs: the user may mean a written one
             hint += (
@@ -280,10 +291,10 @@ class SampleReader(ShardFiles):
                 f"starts at sample {int(self.table.epoch_starts[later[0]])})"
             )
         return TokpackError(
-            f"sample {g} is in epoch {epoch}, which is not written yet",
+            message,
             file=run_dir,
             where=f"epoch {epoch}",
-            expected=f"epoch {epoch} among the run's epochs",
+            expected=expected,
             found=self.epochs,
             hint=hint,
         )

@@ -180,3 +180,15 @@ def test_a_manifest_header_line_shows_what_was_found_and_a_hint(env, key, value,
     path.write_text(json.dumps(m, indent=1) + "\n")
     code, _, err = cli("inspect", env / "src")
     assert code == 1 and f"{path} [{key}]: " in err and found in err, err
+
+
+def test_read_from_a_start_past_every_epoch_a_run_can_hold(env):
+    """read --consumed-tokens 1T of a small run (a start in epoch 2,058,629 here) said to write
+    that epoch with `tokpack shuffle --like RUN --epoch ...`, which refuses any epoch past
+    99,999: the line now says no run holds it and to check the start. A start in an epoch a run
+    can hold keeps the command that writes it."""
+    code, _, err = cli("read", env / "run", "--consumed-tokens", "1T")
+    assert code == 1 and "past the last epoch a run holds (99,999)" in err and "--like" not in err, err
+    assert "HINT: check the start (--start-sample, or --consumed-tokens" in err, err
+    code, _, err = cli("read", env / "run", "--start-sample", "100000")
+    assert code == 1 and "which is not written yet" in err and "shuffle --like" in err, err
