@@ -159,3 +159,32 @@ def test_a_best_fit_run_manifest_without_its_pad_id_is_one_line(env):
     assert status == "corrupt" and lines == [
         (str(env / "bf" / MANIFEST), "packing.pad_id", "field 'pad_id'", "no such field", "manifest field missing")
     ]
+
+
+@pytest.mark.parametrize("change", [lambda t: t + 1, lambda t: 2**63])
+def test_a_node_slice_root_whose_tokens_are_not_its_epochs_sum(env, change):
+    """A node slice's root `tokens` (its rank files' tokens over the staged epochs) set to any
+    other number was OK: validate checked each slice epoch's sum, never the root's, as it
+    does a run's. Now it is one line naming the field and the sum."""
+    from click.testing import CliRunner
+
+    from tokpack.packer.cli import main
+
+    dest = env / "slice"
+    args = ["stage", str(env / "bf"), str(dest), "--node", "0/2", "--ranks-per-node", "1", "--micro-batch", "2"]
+    assert CliRunner().invoke(main, args).exit_code == 0
+    total = json.loads((dest / MANIFEST).read_bytes())["tokens"]
+    assert problems(dest) == ("ok", [])
+    edit(dest, lambda m: m.__setitem__("tokens", change(total)))
+    assert problems(dest) == (
+        "corrupt",
+        [
+            (
+                str(dest / MANIFEST),
+                "tokens",
+                f"{total} (sum over its epochs)",
+                str(change(total)),
+                "slice token count wrong",
+            )
+        ],
+    )
