@@ -31,6 +31,7 @@ from tokpack.formats.io.progress_log import progress
 from tokpack.formats.io.gate import contained, read_array, regular_size
 from tokpack.formats.constants import EPOCH, HOLDOUT_DIR, MANIFEST, RUN, SOURCE, STAGE_SIDECAR, U64
 from tokpack.formats.slices import contained_epoch_dir
+from tokpack.formats.numbering import shuffle_command
 from tokpack.formats.reading import manifest_kind, partial_stage_absent, read_manifest, read_source_manifest
 from tokpack.formats.packing import holdout_recorded
 from tokpack.formats.shards import PackedSource, tokens_on_nodes
@@ -291,6 +292,16 @@ def inspect(directory, *, batch_size, batches, plot, seq_len, epoch, memory, doc
             found=seq_len,
             hint=f"drop --seq-len: the batch analysis of a {kind} uses its own",
         )
+    for flag, given in (("--epoch", epoch is not None), ("--documents-per-row", bool(documents_per_row))):
+        if given and kind == SOURCE:  # a source has no epochs nor rows: was silently ignored
+            raise TokpackError(
+                f"{flag} is for a run or an epoch: a packed source has no epochs, nor rows",
+                file=directory,
+                where=flag,
+                expected=f"no {flag} with a packed source",
+                found=epoch if flag == "--epoch" else "given",
+                hint=f"drop {flag}, or inspect the run shuffled from the source",
+            )
     batch = batch_size or DEFAULT_BATCH_SIZE
     report: dict = {"kind": kind, "path": str(directory), "batch_size": batch}
     if holdout_recorded(manifest)[1]:  # RUN/holdout/ (its manifest says so): an epoch directory, no epoch of the run
@@ -299,8 +310,15 @@ def inspect(directory, *, batch_size, batches, plot, seq_len, epoch, memory, doc
     epochs = _epochs_of(directory, manifest)
     chosen = next((x for x in epochs if epoch is None or x[0] == epoch), None)
     if epochs and chosen is None:
+        listed = [e for e, _, _ in epochs]
         raise TokpackError(
-            "epoch not in this run", file=directory, where="--epoch", expected=[e for e, _, _ in epochs], found=epoch
+            "epoch not in this run" if kind == RUN else "this epoch directory holds another epoch",
+            file=directory,
+            where="--epoch",
+            expected=listed,
+            found=epoch,
+            hint=f"give one of {listed}, or drop --epoch"
+            + (f"; write epoch {epoch} with `{shuffle_command(manifest, directory, epoch)}`" if kind == RUN else ""),
         )
     names, sources = _sources_of(directory, manifest, epochs, report)
     report["totals"] = _totals(manifest, epochs, sources)

@@ -192,3 +192,22 @@ def test_read_from_a_start_past_every_epoch_a_run_can_hold(env):
     assert "HINT: check the start (--start-sample, or --consumed-tokens" in err, err
     code, _, err = cli("read", env / "run", "--start-sample", "100000")
     assert code == 1 and "which is not written yet" in err and "shuffle --like" in err, err
+
+
+@pytest.mark.parametrize("flag", [("--epoch", "0"), ("--documents-per-row",)])
+def test_inspect_of_a_source_refuses_what_only_a_run_has(env, flag):
+    """inspect SOURCE --epoch 0 or --documents-per-row printed the source's report and ignored
+    the option (a source has no epochs, nor rows), as --seq-len of a run once was: one line."""
+    code, out, err = cli("inspect", env / "src", *flag)
+    assert code == 1 and out == "" and f"[{flag[0]}]: {flag[0]} is for a run or an epoch" in err, err
+    assert "HINT: drop " in err
+
+
+def test_inspect_of_an_epoch_not_there_says_what_to_give(env):
+    """--epoch of an epoch the run does not hold had no HINT (and an epoch directory was called
+    a run): the line names the epochs there and the command that writes the one asked for."""
+    code, _, err = cli("inspect", env / "run", "--epoch", "5")
+    assert code == 1 and "epoch not in this run; expected [0, 1], found 5. HINT: give one of [0, 1]" in err, err
+    assert "shuffle --like" in err and "--epoch 5`" in err, err
+    code, _, err = cli("inspect", env / "run" / epoch_dir_name(1), "--epoch", "0")
+    assert code == 1 and "this epoch directory holds another epoch; expected [1], found 0. HINT: " in err, err
