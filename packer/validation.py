@@ -124,7 +124,10 @@ def validate_dirs(
                 merge(*run(item))
     for d in plan:
         rep, m = d.report, d.report.manifest
-        if rep.kind == EPOCH and d.jobs and not quick and not d.partial:
+        # every shard scanned: one refused before its scan (a link out of the folder) has its own
+        # line, and the sum without it would blame the samples of every other shard
+        whole = len(d.jobs) == len(getattr(d.jobs, "shards", d.jobs))
+        if rep.kind == EPOCH and d.jobs and not quick and not d.partial and whole:
             multiset = recomputed.get(id(d), 0)
             if multiset is not None:
                 rep.multiset = multiset & MASK64

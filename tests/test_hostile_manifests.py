@@ -20,17 +20,18 @@ VOCAB, EOS, SEQ_LEN = 1000, 0, 31
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory) -> Path:
-    """src/ (a packed source of 3 shards) and bf/ (a best-fit run of it, epoch 0)."""
+    """src/ (a packed source of 3 shards), bf/ (a best-fit run of it, epoch 0) and run/ (windows, shards of 20)."""
     root = tmp_path_factory.mktemp("hostile")
     docs = random_docs(np.random.default_rng(5), 90, VOCAB, EOS, max_len=100)
     write_source(root / "src", docs, vocab_size=VOCAB, eos_id=EOS, docs_per_shard=30)
     shuffle_run([str(root / "src")], str(root / "bf"), seq_len=SEQ_LEN, seed=2, epochs=[0], packing="best-fit")
+    shuffle_run([str(root / "src")], str(root / "run"), seq_len=SEQ_LEN, seed=2, epochs=[0], shard_samples=20)
     return root
 
 
 @pytest.fixture
 def env(base, tmp_path) -> Path:
-    for name in ("src", "bf"):
+    for name in ("src", "bf", "run"):
         shutil.copytree(base / name, tmp_path / name)
     return tmp_path
 
@@ -188,3 +189,22 @@ def test_a_node_slice_root_whose_tokens_are_not_its_epochs_sum(env, change):
             )
         ],
     )
+
+
+def test_a_shard_refused_before_its_scan_is_not_blamed_on_the_other_samples(env, base):
+    """A shard's `.ds.rows` replaced by a symbolic link out of the epoch (to an identical copy):
+    validate refused the shard, rightly, and then summed the multiset hash of the other shards
+    alone and reported "the epoch's samples are not the ones recorded ... the data changed",
+    though no sample had. Only the link's line remains: no sum is compared without every shard."""
+    epoch = env / "run" / "epoch-00000"
+    rows = epoch / "00000.ds.rows"
+    rows.unlink()
+    rows.symlink_to(base / "run" / "epoch-00000" / "00000.ds.rows")
+    status, found = problems(epoch)
+    assert status == "corrupt" and [(w, m) for _, w, _, _, m in found] == [
+        (
+            "shards[0].path",
+            "manifest names a file outside its folder (a symlink to "
+            f"{base / 'run' / 'epoch-00000' / '00000.ds.rows'}, outside the folder)",
+        )
+    ], found
