@@ -213,7 +213,7 @@ def _against(report: ValidationReport, against: list[str], replay, source_rows=N
             err = e if isinstance(e, TokpackError) else TokpackError(f"cannot replay the plan: {e}", file=e.filename)
             d.add(err.file or mfile, err.where, err.expected, err.found, err.message)
             continue
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, OverflowError):  # an edited count too large for numpy too
             if any(p.file == mfile for p in d.problems):
                 continue  # a manifest already reported broken cannot drive the replay
             raise  # from a manifest that passed every check: a bug in tokpack, not in the data
@@ -236,7 +236,8 @@ def _order_problem(d: DirReport, planned: list[int]) -> None:
     its plan gives them: it names the first such shard and counts the others."""
     shards = d.manifest["shards"]
     found = d.shard_orders
-    wrong = [i for i, s in enumerate(shards) if s["path"] in found and found[s["path"]] != planned[i]]
+    scanned = lambda s: isinstance(s, dict) and isinstance(s.get("path"), str) and s["path"] in found  # noqa: E731
+    wrong = [i for i, s in enumerate(shards) if scanned(s) and found[s["path"]] != planned[i]]
     if not wrong:
         return
     i = wrong[0]

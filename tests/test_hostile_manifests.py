@@ -208,3 +208,42 @@ def test_a_shard_refused_before_its_scan_is_not_blamed_on_the_other_samples(env,
             f"{base / 'run' / 'epoch-00000' / '00000.ds.rows'}, outside the folder)",
         )
     ], found
+
+
+AGAINST_EDITS = [
+    ("epoch", 2**63),
+    ("seq_len", 2**63),
+    ("shards.0.path", []),
+    ("shards.0.path", {}),
+    ("shards.0.path", None),
+]
+
+
+@pytest.mark.parametrize("key,value", AGAINST_EDITS, ids=[f"{k}={v!r}" for k, v in AGAINST_EDITS])
+def test_validate_against_a_damaged_epoch_manifest_never_crashes(env, key, value):
+    """`validate EPOCH --against SOURCE` of a best-fit epoch whose epoch or seq_len is 2**63
+    exited 70 (OverflowError in the replay's numpy arithmetic), and one whose shard entry's
+    path is a list, an object or absent exited 70 too (the order proof keyed on it). Each
+    manifest is already CORRUPT by its field's line: the replay it cannot drive adds none."""
+
+    def change(m):
+        *head, last = [int(k) if k.isdigit() else k for k in key.split(".")]
+        for k in head:
+            m = m[k]
+        m.pop(last) if value is None else m.__setitem__(last, value)
+
+    epoch = env / "bf" / "epoch-00000"
+    edit(epoch, change)
+    status, found = problems(epoch, against=[env / "src"])
+    assert status == "corrupt" and found and all(f == str(epoch / MANIFEST) for f, *_ in found), found
+
+
+def test_a_one_shard_epoch_of_any_shard_samples_is_replayed(env):
+    """A one-shard epoch holds every sample in shard 0 whatever its shard_samples (at least
+    its samples): 2**63 made --against exit 70 (numpy's g // shard_samples). Alone the epoch
+    is consistent and proven OK; in its run, the run's shard_samples tells the edit."""
+    epoch = env / "bf" / "epoch-00000"
+    edit(epoch, lambda m: m.__setitem__("shard_samples", 2**63))
+    assert problems(epoch, against=[env / "src"]) == ("ok", [])
+    status, found = problems(env / "bf", against=[env / "src"])
+    assert status == "corrupt" and [w for _, w, *_ in found] == ["shard_samples"], found
