@@ -247,3 +247,15 @@ def test_a_one_shard_epoch_of_any_shard_samples_is_replayed(env):
     assert problems(epoch, against=[env / "src"]) == ("ok", [])
     status, found = problems(env / "bf", against=[env / "src"])
     assert status == "corrupt" and [w for _, w, *_ in found] == ["shard_samples"], found
+
+
+@pytest.mark.parametrize("key,value", [("seq_len", -1), ("shard_samples", 2**63), ("shard_samples", 2**62)])
+def test_validate_against_a_window_epoch_of_impossible_sizes_never_crashes(env, key, value):
+    """A window epoch of several shards validated --against its source: seq_len -1 exited 70
+    (ZeroDivisionError, a row of 0 tokens in the replay), shard_samples 2**63 or 2**62 exited 70
+    (its samples numbered past uint64 for the order proof). Each is its field's lines."""
+    epoch = env / "run" / "epoch-00000"
+    edit(epoch, lambda m: m.__setitem__(key, value))
+    status, found = problems(epoch, against=[env / "src"])
+    assert status == "corrupt" and found and all(f == str(epoch / MANIFEST) for f, *_ in found), found
+    assert {w.split(".")[-1] for _, w, *_ in found if w} == {key if key == "seq_len" else "samples"}, found
