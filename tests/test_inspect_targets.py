@@ -211,3 +211,11 @@ def test_inspect_of_an_epoch_not_there_says_what_to_give(env):
     assert "shuffle --like" in err and "--epoch 5`" in err, err
     code, _, err = cli("inspect", env / "run" / epoch_dir_name(1), "--epoch", "0")
     assert code == 1 and "this epoch directory holds another epoch; expected [1], found 0. HINT: " in err, err
+
+
+def test_read_with_a_file_that_is_no_tokenizer_says_what_to_give(env):
+    """read --tokenizer of a JSON file that is no tokenizer said "unreadable tokenizer" with no
+    option named and no HINT: the line now names --tokenizer and what to give."""
+    code, _, err = cli("read", env / "run", "--count", "1", "--tokenizer", env / "src" / "tokpack.json")
+    assert code == 1 and "[--tokenizer]: unreadable tokenizer; expected a tokenizers JSON file" in err, err
+    assert "HINT: give the tokenizer.json the corpus was tokenized with" in err, err
