@@ -259,3 +259,15 @@ def test_validate_against_a_window_epoch_of_impossible_sizes_never_crashes(env, 
     status, found = problems(epoch, against=[env / "src"])
     assert status == "corrupt" and found and all(f == str(epoch / MANIFEST) for f, *_ in found), found
     assert {w.split(".")[-1] for _, w, *_ in found if w} == {key if key == "seq_len" else "samples"}, found
+
+
+@pytest.mark.parametrize("key,value", [("fingerprint", []), ("fingerprint", {}), ("offset", -1)])
+def test_validate_against_a_window_epoch_source_entry_of_the_wrong_kind_never_crashes(env, key, value):
+    """A window epoch's source entry with a fingerprint that is a list or an object exited 70
+    under --against (unhashable: it was looked up among the given sources' fingerprints), and
+    one with offset -1 exited 70 too (the replay read tokens from -1). Each is CORRUPT, its
+    field's line first."""
+    epoch = env / "run" / "epoch-00000"
+    edit(epoch, lambda m: m["sources"][0].__setitem__(key, value))
+    status, found = problems(epoch, against=[env / "src"])
+    assert status == "corrupt" and found[0][:2] == (str(epoch / MANIFEST), f"sources[0].{key}"), found
