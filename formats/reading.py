@@ -5,6 +5,7 @@ validate's reader of a manifest whose shard entries stay text until used (`read_
 
 from __future__ import annotations
 
+import heapq
 import json
 import math
 import re
@@ -102,10 +103,15 @@ def written_by_tokpack(directory: Path) -> bool:
 
 
 def _what_is_there(directory: Path) -> str:
-    names = sorted(p.name for p in directory.iterdir())
-    if not names:
+    """The folder's entries in a few words: their count and the first three names (a dataset's
+    folder may hold millions: counted as listed, never all held)."""
+    count, first = 0, []
+    for p in directory.iterdir():
+        count += 1
+        first = heapq.nsmallest(3, [*first, p.name])
+    if not count:
         return "an empty folder"
-    return f"{len(names):,} other file{'s' * (len(names) != 1)} ({', '.join(names[:3])}{', ...' * (len(names) > 3)})"
+    return f"{count:,} other file{'s' * (count != 1)} ({', '.join(first)}{', ...' * (count > 3)})"
 
 
 def require_valid(manifest: dict, directory) -> None:
