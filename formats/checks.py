@@ -19,7 +19,7 @@ from .constants import (
     SOURCE,
 )
 from .errors import TokpackError
-from .fields import MANIFEST_FIELDS, SHARD_FIELDS, SOURCE_FIELDS, field_problems, type_ok
+from .fields import MANIFEST_FIELDS, PACKING_FIELDS, SHARD_FIELDS, SOURCE_FIELDS, field_problems, type_ok
 from .hashes import fingerprint, hash_hex64, name_hash
 from .io.paths import as_path, name_problem
 from .names import dtype_for_vocab, dtype_from_name, dtype_name
@@ -71,6 +71,7 @@ def check_manifest(m: dict, directory, add) -> bool:
         return False  # a malformed manifest cannot drive the checks below
     if not _check_header(m, mfile, add):
         return False
+    _check_packing(m, kind, mfile, add)
     if kind in SLICE_KINDS:  # a node slice's: its totals here, its rank arithmetic in formats/slices.py
         _check_slice_manifest(m, shards, mfile, add)
         _check_shard_names(shards, mfile, add)
@@ -102,6 +103,13 @@ def check_manifest(m: dict, directory, add) -> bool:
     _check_epoch_manifest(as_path(directory), m, mfile, add, row)
     # seq_len or the counts are wrong: rows cannot be cut, the lines above say why
     return all(s["tokens"] == s["samples"] * row for s in shards)
+
+
+def _check_packing(m: dict, kind: str, mfile: str, add) -> None:
+    """A packed epoch's or run's `packing` object against its field table: what replays its rows
+    (method, group size, pad id) and what vouches for them (the row table's checksum, the padding)."""
+    if rows_padded(m) and kind in (EPOCH, RUN):
+        _fields(m["packing"], PACKING_FIELDS, kind, mfile, add, "packing.")
 
 
 def _check_header(m: dict, mfile: str, add) -> bool:
@@ -277,6 +285,8 @@ def _check_epoch_manifest(path, m: dict, mfile: str, add, row: int) -> None:
         _sum_of(m, shards, "fragments", mfile, add, "sum of the shards' fragments", "fragment count wrong")
     if not rows_padded(m):  # a padded epoch has no windows: its plan is proven by --against's replay
         _check_epoch_sources(m, srcs, row, lambda *a: add(mfile, *a))
+    else:
+        _check_packed_sources(m, srcs, lambda *a: add(mfile, *a))
     dir_epoch = EPOCH_DIR.match(path.name)
     if dir_epoch and int(dir_epoch.group(1)) != m["epoch"]:
         add(mfile, "epoch", f"{int(dir_epoch.group(1))} (from the directory name)", m["epoch"], "epoch number wrong")
@@ -344,12 +354,45 @@ def _check_epoch_sources(m: dict, srcs: list, row: int, add) -> None:
         add("dropped_tokens", f"{dropped} (sum over sources)", m["dropped_tokens"], "dropped token count wrong")
 
 
+def _check_packed_sources(m: dict, srcs: list, add) -> None:
+    """What a packed (best-fit) epoch's source entries say without its sources (FORMAT.md,
+    "Best-fit epochs"): nothing dropped, no window offset, and the passes its samples can span
+    (each pass the epoch touches gives it a row at least). Its other figures are its plan's,
+    compared by --against's replay (tokpack.shuffle.packed.packed_plan)."""
+    for i, s in enumerate(srcs):
+        for key in ("offset", "dropped_tokens"):
+            if type_ok(s.get(key), int) and s[key] != 0:
+                add(
+                    f"sources[{i}].{key}",
+                    "0 (a packed epoch cuts no windows)",
+                    s[key],
+                    "packed epoch source entry impossible",
+                )
+        offsets = m.get("jitter_offsets")
+        if isinstance(offsets, list) and (i >= len(offsets) or offsets[i] != 0):
+            found = offsets[i] if i < len(offsets) else "no entry"
+            add(f"jitter_offsets[{i}]", 0, found, "jitter offset disagrees with its source entry")
+        c, passes, first = s.get("samples"), s.get("passes"), s.get("first_pass")
+        if not all(type_ok(v, int) for v in (c, passes, first)):
+            continue  # the field lines say why
+        if (passes, first) != (0, 0) if c == 0 else not 1 <= passes <= c:
+            add(
+                f"sources[{i}].passes",
+                f"1..{c} (at most a pass a sample)" if c else "0, from pass 0 (the source gives the epoch no sample)",
+                f"{passes}, from pass {first}" if not c else passes,
+                "source pass bookkeeping wrong",
+            )
+    if type_ok(m.get("dropped_tokens"), int) and m["dropped_tokens"] != 0:
+        add("dropped_tokens", "0 (a packed epoch cuts no windows)", m["dropped_tokens"], "dropped token count wrong")
+
+
 def _check_run_manifest(m: dict, mfile: str, add) -> None:
     sources = m.get("sources") if isinstance(m.get("sources"), list) else []
     if _fields(m, MANIFEST_FIELDS, RUN, mfile, add) + _entries(sources, SOURCE_FIELDS, RUN, mfile, "sources", add):
         return
     if not _check_header(m, mfile, add):
         return
+    _check_packing(m, RUN, mfile, add)
     epochs = m["epochs"]
     if not all(type_ok(e, int) and e >= 0 for e in epochs) or len(set(epochs)) != len(epochs):
         add(mfile, "epochs", "distinct epoch numbers >= 0", epochs[:8], "bad epoch list")

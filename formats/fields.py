@@ -97,6 +97,17 @@ _FIELD_TABLES = """
 | `held_documents` | int >= 0 | no | epoch | a run made with `--holdout`: `k_s`, the source's documents held out |
 | `held_tokens` | int >= 0 | no | epoch | a window epoch with `--holdout`: the tokens of its held-out documents (`tokens` is then its stream's) |
 
+`packing`
+| `method` | string | yes | epoch, run | the packing's name: `"best-fit"` |
+| `group_tokens` | int >= 1 | yes | epoch, run | `G`: the source tokens packed together into rows, a group at a time |
+| `pad_id` | int >= 0 | yes | epoch, run | the token that fills a row's tail |
+| `padding_tokens` | int >= 0 | epoch | epoch | padding tokens over the epoch, the sum of its `.ds.pad` files |
+| `table_xxh3_128` | hex32 | epoch | epoch | checksum of the epoch's row table |
+| `documents_cut` | int >= 0 | no | epoch | documents longer than a row that the epoch holds a piece of, once per pass |
+| `max_documents_per_row` | int >= 0 | no | epoch | the most segments of one row that start at one of its inputs |
+| `holdout` | object | no | epoch, run | a run made with `--holdout`: it as recorded (see Held-out windows) |
+| `split` | string | no | epoch | RUN/holdout/'s: `"holdout"` |
+
 `tokpack-stage.json`
 | `format` | string | yes | sidecar | `"tokpack-stage"` |
 | `partial` | bool | yes | sidecar | `true` |
@@ -109,7 +120,13 @@ _FIELD_TABLES = """
 """
 
 
-MANIFEST_FIELDS, SHARD_FIELDS, SOURCE_FIELDS, STAGE_FIELDS = (  # name -> (type, required, kinds, meaning)
+(
+    MANIFEST_FIELDS,
+    SHARD_FIELDS,
+    SOURCE_FIELDS,
+    PACKING_FIELDS,
+    STAGE_FIELDS,
+) = (  # name -> (type, required, kinds, meaning)
     {
         name.strip("`"): (typ, required, kinds, meaning)
         for name, typ, required, kinds, meaning in (row[2:-2].split(" | ") for row in table.splitlines()[1:])

@@ -5,9 +5,11 @@ validate's reader of a manifest whose shard entries stay text until used (`read_
 
 from __future__ import annotations
 
+import heapq
 import json
 import math
 import re
+import shlex
 from array import array
 from pathlib import Path
 
@@ -20,6 +22,7 @@ from .constants import (
     MANIFEST,
     MAX_MANIFEST_BYTES,
     MAX_MANIFEST_DEPTH,
+    SLICE_KINDS,
     SOURCE,
     STAGE_SIDECAR,
 )
@@ -60,6 +63,16 @@ def read_manifest(directory: str | Path, kind: str | tuple[str, ...] | None = No
                 found="a file" if directory.is_file() else "neither a file nor a directory",
                 hint="pass the directory that holds tokpack.json",
             )
+        if isinstance(directory, Path) and not written_by_tokpack(directory):
+            # another tool's data, or an empty folder: no command of tokpack's to rerun here
+            raise IncompleteError(
+                "not a tokpack directory: no tokpack.json",
+                file=directory,
+                expected="a directory tokpack wrote (a packed source, a run, an epoch or a node slice)",
+                found=_what_is_there(directory),
+                hint="give the directory tokpack wrote; other tokenized data (Megatron .bin/.idx, a Hugging Face "
+                f"dataset, JSONL, Parquet) is packed first: `tokpack pack {shlex.quote(str(directory))} -o PACKED`",
+            )
         raise IncompleteError(
             "incomplete: no tokpack.json",
             file=directory,
@@ -69,6 +82,36 @@ def read_manifest(directory: str | Path, kind: str | tuple[str, ...] | None = No
     if checked:
         require_valid(manifest, directory)
     return manifest
+
+
+# What a tokpack command leaves in a folder before its tokpack.json: a shard's or rank file's
+# files, a temporary name, its lock, its work folder, an epoch folder, a sidecar.
+_TRACE = re.compile(r"^(\d{5,}\.ds|rank-\d+\.ds|epoch-\d+$|holdout$|tokpack[.-])|\.tmp-|^\.tokpack-work$")
+
+
+def written_by_tokpack(directory: Path) -> bool:
+    """Whether a folder without tokpack.json holds what a tokpack command writes before it (or
+    is an epoch folder of a run being written): an unfinished directory, which the command's
+    rerun finishes, not another tool's data or an empty folder. Unreadable: assume it is."""
+    try:
+        beside = (p for p in directory.parent.iterdir() if p.name != directory.name)
+        if _TRACE.match(directory.name) and any(_TRACE.match(p.name) for p in beside):
+            return True  # a run's epoch-NNNNN/ or holdout/ just created, still empty
+        return any(_TRACE.search(p.name) for p in directory.iterdir())
+    except OSError:
+        return True
+
+
+def _what_is_there(directory: Path) -> str:
+    """The folder's entries in a few words: their count and the first three names (a dataset's
+    folder may hold millions: counted as listed, never all held)."""
+    count, first = 0, []
+    for p in directory.iterdir():
+        count += 1
+        first = heapq.nsmallest(3, [*first, p.name])
+    if not count:
+        return "an empty folder"
+    return f"{count:,} other file{'s' * (count != 1)} ({', '.join(first)}{', ...' * (count > 3)})"
 
 
 def require_valid(manifest: dict, directory) -> None:
@@ -158,15 +201,22 @@ def _checked_header(manifest, path, kind) -> dict:
         )
     if manifest.get("format") != FORMAT_NAME:
         raise TokpackError(
-            "not a tokpack manifest", file=path, where="format", expected=FORMAT_NAME, found=manifest.get("format")
+            "not a tokpack manifest",
+            file=path,
+            where="format",
+            expected=FORMAT_NAME,
+            found=repr(manifest.get("format"))[:60],
+            hint="this tokpack.json was not written by tokpack: give a directory tokpack wrote, or restore its "
+            "manifest from the run that wrote it",
         )
-    if manifest.get("version") != FORMAT_VERSION:
+    if type(manifest.get("version")) is not int or manifest["version"] != FORMAT_VERSION:
+        version = manifest.get("version")
         raise TokpackError(
             "unsupported format version",
             file=path,
             where="version",
             expected=FORMAT_VERSION,
-            found=manifest.get("version"),
+            found=version if type(version) is int else repr(version)[:60],  # "1" is not 1
             hint="use the tokpack release that wrote this directory",
         )
     kinds = ((kind,) if isinstance(kind, str) else kind) or KINDS
@@ -177,8 +227,25 @@ def _checked_header(manifest, path, kind) -> dict:
             where="kind",
             expected=" or ".join(kinds),
             found=manifest.get("kind"),
+            hint=_kind_hint(manifest, kinds),
         )
     return manifest
+
+
+def _kind_hint(manifest: dict, kinds) -> str:
+    """What to give a command instead of a tokpack directory of another kind (a caller that knows
+    better, as shuffle does of its SOURCEs, says so in its own words)."""
+    found = manifest.get("kind")
+    if found in SLICE_KINDS:
+        run = manifest.get("source")
+        run = f" ({run})" if isinstance(run, str) and len(run) < 4096 else ""
+        return (
+            "a node slice holds some ranks' rows only: read it with `tokpack read` and check it with "
+            f"`tokpack validate`; give other commands the run it was staged from{run}"
+        )
+    if found in (*KINDS, *SLICE_KINDS):
+        return f"give a {' or '.join(kinds)} directory: this one is a tokpack {found}"
+    return "the manifest was edited or belongs elsewhere; restore it or rerun the command that wrote it"
 
 
 # ------------------------------------------------------------------ a manifest read by validate

@@ -41,10 +41,10 @@ from tokpack.formats.arguments import flag, text, tokens, whole
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io.paths import as_path, is_url
 from tokpack.formats.io.gate import read_limited
-from tokpack.formats.constants import EPOCH, MANIFEST, NODES_SIDECAR, RUN, RUN_KEYS, SLICE
+from tokpack.formats.constants import EPOCH, MANIFEST, MAX_EPOCHS, NODES_SIDECAR, RUN, RUN_KEYS, SLICE
 from tokpack.formats.reading import partial_stage_absent, read_manifest, strict_json
 from tokpack.formats.numbering import EpochNumbering, shuffle_command
-from tokpack.formats.shards import row_segments
+from tokpack.formats.shards import row_segments, tokens_on_nodes
 from tokpack.formats.slices import RankRows, contained_epoch_dir, epoch_disagreements, run_digest
 from tokpack.formats.units import counted
 
@@ -158,18 +158,12 @@ class SampleReader(ShardFiles):
                 return reader_class(manifest["kind"]).open_dir(p, manifest, verify=verify)
             absent.update(partial_stage_absent(p))
             if manifest["kind"] == EPOCH:
+                if tokens_on_nodes(p, manifest.get("shards") or []):  # an epoch of such a run: no token file here
+                    raise on_nodes_error(p.parent)
                 epochs.append((p, manifest))
                 continue
             if not is_url(str(p)) and (p / NODES_SIDECAR).is_file():  # its tokens are on the nodes, not here
-                raise TokpackError(
-                    "this run's tokens are in node slices (shuffle --to-nodes), not in the run",
-                    file=p / NODES_SIDECAR,
-                    where="dest",
-                    expected="a node slice",
-                    found="a run that holds manifests and row hashes only",
-                    hint=f"open this node's slice, written to {_nodes_dest(p / NODES_SIDECAR)} "
-                    "({node}: the node's number), e.g. `tokpack read DEST ...`",
-                )
+                raise on_nodes_error(p)
             listed = manifest.get("epochs")
             if not isinstance(listed, list) or not listed:
                 raise TokpackError(
@@ -280,6 +274,17 @@ class SampleReader(ShardFiles):
         """Sample g lies in `epoch`, which this run does not hold (yet): say which command writes it."""
         run_dir, run = self.run if self.run is not None else (self.table.epoch_dirs[-1], {})
         hint = f"write it with `{shuffle_command(run, run_dir, epoch)}`"
+        message, expected = (
+            f"sample {g} is in epoch {epoch}, which is not written yet",
+            f"epoch {epoch} among the run's epochs",
+        )
+        if epoch >= MAX_EPOCHS:  # no run holds it (no command writes it): the start given is not this run's count
+            message = f"sample {g} is in epoch {epoch}, past the last epoch a run holds ({MAX_EPOCHS - 1:,})"
+            expected = "a start in the run's epochs"
+            hint = (
+                f"check the start (--start-sample, or --consumed-tokens, which starts at sample tokens // "
+                f"{self.seq_len}, the seq_len)"
+            )
         later = [pos for pos, first in enumerate(self.table.epoch_starts) if first > g]
         if later:  # e.g. a staged copy of some epochs: the user may mean a written one
             hint += (
@@ -287,10 +292,10 @@ class SampleReader(ShardFiles):
                 f"starts at sample {int(self.table.epoch_starts[later[0]])})"
             )
         return TokpackError(
-            f"sample {g} is in epoch {epoch}, which is not written yet",
+            message,
             file=run_dir,
             where=f"epoch {epoch}",
-            expected=f"epoch {epoch} among the run's epochs",
+            expected=expected,
             found=self.epochs,
             hint=hint,
         )
@@ -618,6 +623,20 @@ def _epoch_of_run(d: Path, e: int, m: dict, run: dict) -> None:
             found=found,
             hint="the epoch was replaced or belongs elsewhere; run `tokpack validate` on the run",
         )
+
+
+def on_nodes_error(run_dir: Path) -> TokpackError:
+    """The line for a run written by `shuffle --to-nodes` (or an epoch of it) opened for its
+    tokens: they are in the node slices, and the line names where."""
+    return TokpackError(
+        "this run's tokens are in node slices (shuffle --to-nodes), not in the run",
+        file=run_dir / NODES_SIDECAR,
+        where="dest",
+        expected="a node slice",
+        found="a run that holds manifests and row hashes only",
+        hint=f"open this node's slice, written to {_nodes_dest(run_dir / NODES_SIDECAR)} "
+        "({node}: the node's number), e.g. `tokpack read DEST ...`",
+    )
 
 
 def _nodes_dest(sidecar: Path) -> str:

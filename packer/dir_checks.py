@@ -246,7 +246,11 @@ def check_pads(path: Path, shards: list[dict], rep: DirReport, row: int | None =
     when some `.ds.pad` could not be read whole."""
     total = 0
     for i, s in enumerate(shards):
+        # an entry of the wrong shape or types has its own lines (check_manifest): no file to read by it
         if not isinstance(s, dict) or not has_pad(s) or not isinstance(s.get("path"), str):
+            continue
+        if not type_ok(s.get("samples"), int):
+            total = None  # nor a total without it
             continue
         f = path / f"{s['path']}{PAD_SUFFIX}"
         want = int(s.get("samples", -1)) * PAD_DTYPE.itemsize
@@ -321,8 +325,8 @@ def check_data_manifest(path: Path, m: dict, rep: DirReport, quick: bool) -> Sha
     """The manifest checks (tokpack.formats.checks.check_manifest, which every command applies) and the
     listing; returns the shard jobs (empty if the manifest cannot drive them)."""
     usable = check_manifest(m, path, rep.add)
-    shards = m.get("shards") if isinstance(m.get("shards"), list) else []
-    if all(isinstance(s, dict) and name_problem(s.get("path")) is None for s in shards):
+    shards = m.get("shards")  # not a list: check_manifest's line says so, and no file is listed by it
+    if isinstance(shards, list) and all(isinstance(s, dict) and name_problem(s.get("path")) is None for s in shards):
         check_listing(path, shards, rep)
         check_padding(path, m, rep)
     if not usable:

@@ -28,12 +28,13 @@ import numpy as np
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io.paths import as_path, local_path
 from tokpack.formats.io.progress_log import progress
-from tokpack.formats.io.gate import read_array, regular_size
-from tokpack.formats.constants import EPOCH, HOLDOUT_DIR, MANIFEST, RUN, SOURCE, U64
-from tokpack.formats.names import epoch_dir_name
-from tokpack.formats.reading import manifest_kind, read_manifest, read_source_manifest
+from tokpack.formats.io.gate import contained, read_array, regular_size
+from tokpack.formats.constants import EPOCH, HOLDOUT_DIR, MANIFEST, RUN, SOURCE, STAGE_SIDECAR, U64
+from tokpack.formats.slices import contained_epoch_dir
+from tokpack.formats.numbering import shuffle_command
+from tokpack.formats.reading import manifest_kind, partial_stage_absent, read_manifest, read_source_manifest
 from tokpack.formats.packing import holdout_recorded
-from tokpack.formats.shards import PackedSource
+from tokpack.formats.shards import PackedSource, tokens_on_nodes
 from tokpack.formats.units import counted
 from tokpack.loader.reader import SampleReader
 from tokpack.packer.shared import Result, optional_field
@@ -309,6 +310,16 @@ def inspect(directory, *, batch_size, batches, plot, seq_len, epoch, memory, doc
             found=seq_len,
             hint=f"drop --seq-len: the batch analysis of a {kind} uses its own",
         )
+    for flag, given in (("--epoch", epoch is not None), ("--documents-per-row", bool(documents_per_row))):
+        if given and kind == SOURCE:  # a source has no epochs nor rows: was silently ignored
+            raise TokpackError(
+                f"{flag} is for a run or an epoch: a packed source has no epochs, nor rows",
+                file=directory,
+                where=flag,
+                expected=f"no {flag} with a packed source",
+                found=epoch if flag == "--epoch" else "given",
+                hint=f"drop {flag}, or inspect the run shuffled from the source",
+            )
     batch = batch_size or DEFAULT_BATCH_SIZE
     report: dict = {"kind": kind, "path": str(directory), "batch_size": batch}
     if holdout_recorded(manifest)[1]:  # RUN/holdout/ (its manifest says so): an epoch directory, no epoch of the run
@@ -317,8 +328,15 @@ def inspect(directory, *, batch_size, batches, plot, seq_len, epoch, memory, doc
     epochs = _epochs_of(directory, manifest)
     chosen = next((x for x in epochs if epoch is None or x[0] == epoch), None)
     if epochs and chosen is None:
+        listed = [e for e, _, _ in epochs]
         raise TokpackError(
-            "epoch not in this run", file=directory, where="--epoch", expected=[e for e, _, _ in epochs], found=epoch
+            "epoch not in this run" if kind == RUN else "this epoch directory holds another epoch",
+            file=directory,
+            where="--epoch",
+            expected=listed,
+            found=epoch,
+            hint=f"give one of {listed}, or drop --epoch"
+            + (f"; write epoch {epoch} with `{shuffle_command(manifest, directory, epoch)}`" if kind == RUN else ""),
         )
     names, sources = _sources_of(directory, manifest, epochs, report)
     report["totals"] = _totals(manifest, epochs, sources)
@@ -327,12 +345,16 @@ def inspect(directory, *, batch_size, batches, plot, seq_len, epoch, memory, doc
 
         report["epochs"] = _epoch_shares(epochs)
         report["packing"] = shown_of_epochs([m for _, _, m in epochs])
-    if kind == RUN and (directory / HOLDOUT_DIR / MANIFEST).is_file():
+    held_dir = None  # the run's held-out split, inside the run as its epochs are
+    if kind == RUN:
+        where = f"epochs ({HOLDOUT_DIR})"
+        held_dir = contained(directory, HOLDOUT_DIR, manifest=directory / MANIFEST, where=where, regular=False)
+    if held_dir is not None and (held_dir / MANIFEST).is_file():
         from tokpack.shuffle.packings import shown
 
-        held = read_manifest(directory / HOLDOUT_DIR, EPOCH)
+        held = read_manifest(held_dir, EPOCH)
         report["holdout"] = {
-            "path": str(directory / HOLDOUT_DIR),
+            "path": str(held_dir),
             "samples": int(held["samples"]),
             "sources": [
                 {"name": e.get("name"), "held_documents": e.get("held_documents")} for e in held.get("sources") or []
@@ -351,10 +373,23 @@ def inspect(directory, *, batch_size, batches, plot, seq_len, epoch, memory, doc
         }
 
     L = report["totals"]["seq_len"] if kind != SOURCE else seq_len
+    away = _tokens_away(chosen)
     if L is not None:
-        diversity = batch_diversity(sources, chosen, int(L), batch, batches, memory)
+        diversity = batch_diversity(sources, None if away else chosen, int(L), batch, batches, memory)
+        if away:  # the epoch's figures above are its manifests'; its samples are not here to analyse
+            diversity["note"] = f"{away}: no batches after the shuffle analysed"
         if diversity:
             report["batch_diversity"] = diversity
+    if documents_per_row and away:
+        raise TokpackError(
+            "--documents-per-row reads the epoch's tokens, which are not in this directory",
+            file=chosen[1],
+            where="--documents-per-row",
+            expected="the epoch's token files",
+            found=away,
+            hint="inspect a directory that holds the whole epoch (the run it was staged or shuffled from, "
+            "or a node's slice with `tokpack read`)",
+        )
     if documents_per_row and chosen is not None and chosen[2].get("eos_id") is not None:
         # One pass over the epoch's rows (asked for: O(the epoch's bytes), where the rest of
         # inspect reads manifests and a few batches): the smallest max_documents it takes.
@@ -478,11 +513,26 @@ def _epochs_of(directory: Path, manifest: dict) -> list[tuple[int, Path, dict]]:
     if manifest["kind"] == EPOCH:
         return [(int(manifest["epoch"]), directory, manifest)]
     if manifest["kind"] == RUN:
-        return [
-            (int(e), directory / epoch_dir_name(int(e)), read_manifest(directory / epoch_dir_name(int(e)), EPOCH))
-            for e in manifest.get("epochs") or []
-        ]
+        # each inside the run: a symbolic link out (another run's epoch) is refused, never reported as this run's
+        dirs = [(int(e), contained_epoch_dir(directory, int(e))) for e in manifest.get("epochs") or []]
+        return [(e, d, read_manifest(d, EPOCH)) for e, d in dirs]
     return []
+
+
+def _tokens_away(chosen) -> str | None:
+    """Why the chosen epoch's token files are not in its folder (None: they are): a run of
+    `shuffle --to-nodes` keeps them in the node slices, a `stage --shards-of` copy left some out."""
+    if chosen is None:
+        return None
+    _, folder, m = chosen
+    shards = m.get("shards") or []
+    if tokens_on_nodes(folder, shards):
+        return "the epoch's tokens are in node slices (shuffle --to-nodes), not in the run"
+    absent = partial_stage_absent(folder.parent) if isinstance(folder, Path) else {}
+    left = sum(str(folder / s["path"]) in absent for s in shards)
+    if left:
+        return f"{left} of the epoch's {len(shards)} shards were left out by a partial stage ({STAGE_SIDECAR})"
+    return None
 
 
 def _sources_of(directory: Path, manifest: dict, epochs, report: dict) -> tuple[list[str], list[PackedSource]]:

@@ -121,10 +121,13 @@ def planned_result(
     needs: list[tuple],
     config: ExecutorConfig,
     disk_mbps: float | None,
+    own_workers: bool = False,
     **fields,
 ) -> PlanResult:
     """`passes` get their predicted seconds: tasks running at once on slurm or ray have a disk
-    each, so there a pass of T tasks moves its bytes min(T, workers) times faster."""
+    each, so there a pass of T tasks moves its bytes min(T, workers) times faster. `own_workers`: the
+    command runs its `config.workers` itself (stage: threads, a replacement node: processes), never
+    through datatrove's executor."""
     space = space_report(needs)
     mbps, disk = (float(disk_mbps), "given") if disk_mbps else measure_disk(Path(space[0]["filesystem"]))
     concurrent = config.executor != "local"
@@ -138,7 +141,8 @@ def planned_result(
         )
     from tokpack.packer.executors import runs_in_process
 
-    startup = COMMAND_START_SECONDS + (0 if runs_in_process(config) else EXECUTOR_START_SECONDS * len(passes))
+    in_process = own_workers or runs_in_process(config)
+    startup = COMMAND_START_SECONDS + (0 if in_process else EXECUTOR_START_SECONDS * len(passes))
     total = None if mbps is None else round(sum(p["seconds"] for p in passes) + startup, 1)
     return PlanResult(
         command=command,

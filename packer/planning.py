@@ -302,6 +302,7 @@ def plan_stage(directory, dest, selection: dict, *, disk_mbps: float | None = No
         [(Path(dest), need)],
         ExecutorConfig(workers=workers),
         disk_mbps,
+        own_workers=True,  # stage runs its workers itself (copy threads, or a replacement node's processes)
         manifests=manifests,
         **fields,
     )

@@ -159,9 +159,13 @@ def check_run(path: Path, m: dict, rep: DirReport, quick: bool, plan: list["Dir"
                 "epoch not yet recorded in the run manifest (interrupted shuffle?); rerun it",
                 incomplete=True,
             )
-    held = path / HOLDOUT_DIR
-    if (held / MANIFEST).is_file():  # shuffle --holdout's held-out documents: an epoch directory, never listed
-        plan.append(plan_dir(held, quick, kinds="epoch"))
+    try:  # shuffle --holdout's held-out documents: an epoch directory of the run, never listed
+        held = contained(path, HOLDOUT_DIR, manifest=mfile, where=f"epochs ({HOLDOUT_DIR})", regular=False)
+    except TokpackError as err:  # a symlink out of the run: another run's split; reported, never opened
+        rep.problems.append(Problem.from_error(err))
+    else:
+        if (held / MANIFEST).is_file():
+            plan.append(plan_dir(held, quick, kinds="epoch"))
     # A `stage --ranks` copy: its absent shards are one problem, not one line per file.
     absent = partial_stage_absent(path)
     if absent:

@@ -58,6 +58,7 @@ def slice_shard_jobs(path: Path, root: dict, rep, quick: bool) -> list:
     if not ranks or ranks != list(range(ranks[0], ranks[0] + len(ranks))):
         rep.add(path / MANIFEST, "ranks", "consecutive ranks A..B", ranks, "slice ranks not consecutive")
         return []
+    tokens = []  # of each epoch whose manifest is sound: the root's `tokens` is their sum
     for e in epochs:
         d = path / epoch_dir_name(e)
         try:
@@ -68,6 +69,7 @@ def slice_shard_jobs(path: Path, root: dict, rep, quick: bool) -> list:
             continue
         if not check_manifest(m, d, rep.add):
             continue
+        tokens.append(m["tokens"])
         first, n = numbering.first(e), numbering.size(e)
         bad = set()
         for r, err in slice_epoch_problems(d, root, m, e, first, n, rows):
@@ -87,6 +89,14 @@ def slice_shard_jobs(path: Path, root: dict, rep, quick: bool) -> list:
                 rep.add(err.file, err.where, err.expected, err.found, err.message, hint=err.hint)
                 continue
             jobs.append(ShardJob(d, s, *shared))  # every rank file checked as an epoch shard
+    if len(tokens) == len(epochs) and root.get("tokens") != sum(tokens):
+        rep.add(
+            path / MANIFEST,
+            "tokens",
+            f"{sum(tokens)} (sum over its epochs)",
+            root.get("tokens"),
+            "slice token count wrong",
+        )
     return jobs
 
 

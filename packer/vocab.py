@@ -137,7 +137,12 @@ def load_tokenizer(path: str):
         return Tokenizer.from_file(path)
     except Exception as e:  # tokenizers raises plain Exceptions for bad files
         raise TokpackError(
-            "unreadable tokenizer", file=path, expected="a tokenizers JSON file", found=str(e).splitlines()[0][:120]
+            "unreadable tokenizer",
+            file=path,
+            where="--tokenizer",
+            expected="a tokenizers JSON file",
+            found=str(e).splitlines()[0][:120],
+            hint="give the tokenizer.json the corpus was tokenized with (saved by tokenizer.save('tokenizer.json'))",
         ) from None
 
 

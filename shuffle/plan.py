@@ -546,7 +546,9 @@ def shard_count_checked(epoch_manifest: dict, samples: int) -> tuple[int, int]:
             expected=f"{-(-samples // max(per, 1))} shards ({samples} samples, {per} a shard)",
             found=f"{listed} shards",
         )
-    return per, listed
+    # A one-shard epoch may record any shard_samples of at least its samples, even past int64
+    # (numpy's `g // per`); its samples' shard, 0, is the same with `per` at most `samples`.
+    return min(per, max(samples, 1)), listed
 
 
 def replay_hashes(

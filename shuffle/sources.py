@@ -60,7 +60,7 @@ def open_source(path, check_sizes: bool = True) -> PackedSource:
             hint=f"pack it first (`tokpack pack {shlex.quote(str(path))} -o PACKED`), then give PACKED as the SOURCE",
         ) from None
     except TokpackError as e:
-        if e.where != "kind" or e.hint is not None:
+        if e.where != "kind":
             raise
         # an epoch or run given as a SOURCE: the format's line says which kind, not what to give
         raise e.with_hint(

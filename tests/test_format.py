@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from tokpack.formats.constants import MANIFEST
-from tokpack.formats.fields import MANIFEST_FIELDS, SHARD_FIELDS, SOURCE_FIELDS, STAGE_FIELDS
+from tokpack.formats.fields import MANIFEST_FIELDS, PACKING_FIELDS, SHARD_FIELDS, SOURCE_FIELDS, STAGE_FIELDS
 from tokpack.formats.reading import canonical_bytes, read_manifest
 from tokpack.formats.names import epoch_dir_name
 from tokpack.loader.reader import SampleReader
@@ -23,7 +23,7 @@ from tests.conftest import random_docs, require, write_source
 from tests.test_validate import EOS, VOCAB, make_run
 
 FORMAT_MD = Path(__file__).resolve().parent.parent / "docs" / "FORMAT.md"
-TABLES = [MANIFEST_FIELDS, SHARD_FIELDS, SOURCE_FIELDS, STAGE_FIELDS]
+TABLES = [MANIFEST_FIELDS, SHARD_FIELDS, SOURCE_FIELDS, PACKING_FIELDS, STAGE_FIELDS]
 HEADER = "| field | type | required | in | meaning |"
 
 

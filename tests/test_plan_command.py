@@ -443,3 +443,16 @@ def test_plan_into_an_output_that_is_a_file_is_the_commands_line_with_its_hint(c
         assert res.exit_code == 1 and error["message"] == "output exists and is not a directory", (command, error)
         assert error["file"] == str(out) and error["hint"], (command, error)
     assert out.read_text() == "mine"
+
+
+def test_plan_stage_adds_no_executor_start_up(corpus, tmp_path):
+    """plan stage predicted 1.75 s of datatrove's executor start-up (its default 4 workers, as
+    for pack or shuffle with --workers 4), though stage copies in its own threads and starts
+    no executor: a copy of a second took 2.2 s on paper. Only the command's start remains."""
+    from tokpack.packer.plan_result import COMMAND_START_SECONDS
+
+    run = tmp_path / "run"
+    shuffle_run([str(corpus)], str(run), seq_len=SEQ_LEN, seed=5, epochs=[0], shard_samples=SHARD_SAMPLES)
+    for workers in (None, 8):
+        planned = plan("stage", str(run), str(tmp_path / "copy"), workers=workers, disk_mbps=100)
+        assert planned.startup_seconds == COMMAND_START_SECONDS and planned.workers == (workers or 4)

@@ -543,8 +543,8 @@ def test_cli_read_errors_are_one_line(tmp_path):
     res = CliRunner().invoke(main, ["read", str(run)])
     assert res.exit_code == 1
     assert "00001.ds" in res.output and "Traceback" not in res.output
-    res = CliRunner().invoke(main, ["read", str(tmp_path)])
-    assert res.exit_code == 1 and "incomplete" in res.output
+    res = CliRunner().invoke(main, ["read", str(tmp_path)])  # the folder holding the run: no tokpack directory
+    assert res.exit_code == 1 and "not a tokpack directory" in res.output and "found 1 other file (run)" in res.output
 
 
 # ------------------------------------------------------------- whole lines and edges

@@ -385,6 +385,25 @@ def packed_plan_from_manifest(
     return plan
 
 
+# What a packed epoch's source entries record of its plan: shuffle's summary and inspect show
+# them, and no check of the manifest alone can tell them from an edit (its passes, its rows).
+_PLANNED = ("first_pass", "passes", "windows", "tokens", "offset", "dropped_tokens", "documents", "held_documents")
+
+
+def check_planned_entries(manifest: dict, plan: PackedPlan) -> None:
+    """Each source entry of `manifest` records the figures of `plan`, made from its sources."""
+    for i, (e, want) in enumerate(zip(manifest.get("sources") or [], plan.source_entries())):
+        for key in _PLANNED:
+            if key in want and (type(e.get(key)) is not int or e[key] != want[key]):
+                raise TokpackError(
+                    "epoch manifest's source entry is not its plan's",
+                    where=f"sources[{i}].{key}",
+                    expected=f"{want[key]} (replayed from the sources)",
+                    found=e.get(key, "no such field"),
+                    hint="the manifest was edited or damaged: restore the epoch from a good copy, or shuffle it again",
+                )
+
+
 def chain_pieces(plan, s: int, src: PackedSource, memory: int, scratch: str | None):
     """The pieces of source s this epoch takes, group by group: (chain-derived output position
     q = base + chain position - cursor, row_offset, doc, doc_offset, length, first token in

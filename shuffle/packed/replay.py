@@ -18,7 +18,7 @@ from tokpack.formats.hashes import hash_hex64, order_hash_terms, row_hashes
 from tokpack.formats.shards import PackedSource
 
 from ..plan import shard_count_checked
-from .packed_plan import PackedPlan, packed_plan_from_manifest
+from .packed_plan import PackedPlan, check_planned_entries, packed_plan_from_manifest
 from .passes import documents_of
 from .table import row_padding, shard_places, table_rows
 
@@ -204,6 +204,7 @@ def replay_packed(
                 found=found,
                 hint="restore the epoch's manifest from a good copy, or shuffle it again",
             )
+    check_planned_entries(manifest, plan)  # what the summaries show of its sources: the plan's too
     padding = pads.problem(manifest) if order else None
     if padding:
         where, expected, found = padding
