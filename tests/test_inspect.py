@@ -17,7 +17,8 @@ from tokpack.formats.constants import MANIFEST
 from tokpack.formats.names import epoch_dir_name
 from tokpack.loader.reader import SampleReader
 from tokpack.packer.cli import main
-from tokpack.packer.inspection import LengthHistogram, report_lines
+from tokpack.packer.doc_lengths import LengthHistogram
+from tokpack.packer.inspection import report_lines
 from tokpack.packer.api import inspect as inspect_dir
 
 L = 31  # seq_len: samples of 32 tokens
@@ -244,15 +245,15 @@ def test_document_lengths_sample_large_corpora(tmp_path, monkeypatch):
     """Above the cap, evenly spaced blocks of the indexes are read, not all of them; the
     sample's mean stays close to the corpus's, and the report says it was sampled."""
     from tokpack.formats.shards import PackedSource
-    from tokpack.packer import inspection
+    from tokpack.packer import doc_lengths
 
     rng = np.random.default_rng(3)
     docs = random_docs(rng, 4000, 1000, 0, max_len=60)
     src = PackedSource.open(write_source(tmp_path / "src", docs, docs_per_shard=500))
-    full = inspection.document_lengths([src]).report()
+    full = doc_lengths.document_lengths([src]).report()
     assert full["documents"] == 4000 and "sampled_from_documents" not in full
-    monkeypatch.setattr(inspection, "INDEX_BLOCK", 100)
-    sampled = inspection.document_lengths([src], max_documents=1000).report()
+    monkeypatch.setattr(doc_lengths, "INDEX_BLOCK", 100)
+    sampled = doc_lengths.document_lengths([src], max_documents=1000).report()
     assert sampled["documents"] == 1000 and sampled["sampled_from_documents"] == 4000
     assert abs(sampled["mean"] - full["mean"]) < 0.1 * full["mean"]
 

@@ -9,7 +9,7 @@ import pytest
 from conftest import random_docs, shuffle_run, write_source
 from tokpack.formats.constants import HOLDOUT_DIR
 from tokpack.formats.names import epoch_dir_name
-from tokpack.packer import inspection
+from tokpack.packer import doc_lengths
 from tokpack.packer.api import inspect
 from tokpack.packer.inspection import report_lines
 
@@ -73,9 +73,9 @@ def test_each_source_is_sampled_from_its_own_blocks(mixed, monkeypatch):
 
     _, srcs, docs = mixed
     opened = [PackedSource.open(srcs["short"]), PackedSource.open(srcs["long"])]
-    monkeypatch.setattr(inspection, "INDEX_BLOCK", 20)
+    monkeypatch.setattr(doc_lengths, "INDEX_BLOCK", 20)
     per_source: list[dict] = []
-    whole = inspection.document_lengths(opened, max_documents=20, per_source=per_source).report()
+    whole = doc_lengths.document_lengths(opened, max_documents=20, per_source=per_source).report()
     assert whole["documents"] == 20 and whole["sampled_from_documents"] == 360
     assert [d["sampled_from_documents"] for d in per_source] == [300, 60]
     assert all(d["documents"] == 20 for d in per_source)  # `long` had no block drawn: its first one
@@ -91,9 +91,9 @@ def test_a_block_drawn_at_a_sources_first_shard_is_that_sources(mixed, monkeypat
 
     _, srcs, docs = mixed
     opened = [PackedSource.open(srcs["short"]), PackedSource.open(srcs["short"])]
-    monkeypatch.setattr(inspection, "INDEX_BLOCK", 20)  # 4 shards of 70 documents and one of 20: 17 blocks
+    monkeypatch.setattr(doc_lengths, "INDEX_BLOCK", 20)  # 4 shards of 70 documents and one of 20: 17 blocks
     per_source: list[dict] = []
-    whole = inspection.document_lengths(opened, max_documents=40, per_source=per_source).report()
+    whole = doc_lengths.document_lengths(opened, max_documents=40, per_source=per_source).report()
     assert whole["documents"] == 40 and whole["sampled_from_documents"] == 600
     first = [len(d) for d in docs["short"][:20]]
     for d in per_source:

@@ -90,6 +90,20 @@ def test_imports_flow_one_way():
     assert not wrong, wrong
 
 
+# Issue 40: a module of one idea stays readable whole; past this, it holds two and is split by idea.
+MOST_LINES = 700
+
+
+def test_no_product_module_is_over_its_line_bound():
+    long = []
+    for package in ALLOWED:
+        for module in project_files(package, pattern="*.py"):
+            lines = len(module.read_text().splitlines())
+            if lines > MOST_LINES:
+                long.append(f"{module.relative_to(REPO)}: {lines} lines")
+    assert not long, long
+
+
 def test_format_layer_has_no_logging_or_executor_dependency():
     """formats/ is the file format: reading and writing it needs neither datatrove nor loguru
     (their logging set-up lives with the steps that import datatrove, shuffle/sinks.py); nor does

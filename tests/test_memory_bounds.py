@@ -166,13 +166,13 @@ def test_inspect_of_a_source_reads_no_dict_per_shard_entry(small_source, monkeyp
 MEASURE_LENGTHS = """
 import sys, tracemalloc
 from tokpack.formats.shards import PackedSource
-from tokpack.packer import inspection
+from tokpack.packer import doc_lengths
 src = PackedSource.open(sys.argv[1], check_sizes=False)
-size = inspection.regular_size(src.path / (src.shards[0]["path"] + ".index"))
-inspection.regular_size = lambda path: size  # every entry's index is the first's: only it is written
+size = doc_lengths.regular_size(src.path / (src.shards[0]["path"] + ".index"))
+doc_lengths.regular_size = lambda path: size  # every entry's index is the first's: only it is written
 tracemalloc.start()
 per = []
-whole = inspection.document_lengths([src], max_documents=1, per_source=per).report()
+whole = doc_lengths.document_lengths([src], max_documents=1, per_source=per).report()
 print(tracemalloc.get_traced_memory()[1], whole["documents"], whole["sampled_from_documents"], per[0]["documents"])
 """
 
