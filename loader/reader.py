@@ -404,7 +404,7 @@ class SampleReader(ShardFiles):
                 expected=f"an array [m, {self.row_tokens}] (seq_len + 1 tokens a row)",
                 found=f"shape {getattr(rows, 'shape', type(rows).__name__)}",
             )
-        pad = self.padding(g, len(rows)) if self.packed else None
+        pad = self._unchecked_padding(g, len(rows)) if self.packed else None
         return micro_batch(
             rows,
             pad,
