@@ -98,7 +98,7 @@ _FIELD_TABLES = """
 | `held_tokens` | int >= 0 | no | epoch | a window epoch with `--holdout`: the tokens of its held-out documents (`tokens` is then its stream's) |
 
 `packing`
-| `method` | string | yes | epoch, run | the packing's name: `"best-fit"` |
+| `method` | string | yes | epoch, run | the name the packing is registered under (shuffle/packings.py); the format checks its type only |
 | `group_tokens` | int >= 1 | yes | epoch, run | `G`: the source tokens packed together into rows, a group at a time |
 | `pad_id` | int >= 0 | yes | epoch, run | the token that fills a row's tail |
 | `padding_tokens` | int >= 0 | epoch | epoch | padding tokens over the epoch, the sum of its `.ds.pad` files |
