@@ -17,19 +17,22 @@ from .checks import check_manifest, raise_first
 from .constants import (
     FORMAT_NAME,
     FORMAT_VERSION,
+    HOLDOUT_DIR,
     INT_RANGE,
     KINDS,
     MANIFEST,
     MAX_MANIFEST_BYTES,
     MAX_MANIFEST_DEPTH,
+    SHARD_NAME_DIGITS,
     SLICE_KINDS,
     SOURCE,
     STAGE_SIDECAR,
+    WORK_DIR,
 )
 from .errors import IncompleteError, TokpackError
 from .fields import STAGE_FIELDS, field_problems, upgrade
 from .io.paths import as_path
-from .io.writes import fsync_dir, write_bytes_atomic
+from .io.writes import TMP_MARK, fsync_dir, write_bytes_atomic
 from .io.gate import read_limited
 
 
@@ -86,7 +89,12 @@ def read_manifest(directory: str | Path, kind: str | tuple[str, ...] | None = No
 
 # What a tokpack command leaves in a folder before its tokpack.json: a shard's or rank file's
 # files, a temporary name, its lock, its work folder, an epoch folder, a sidecar.
-_TRACE = re.compile(r"^(\d{5,}\.ds|rank-\d+\.ds|epoch-\d+$|holdout$|tokpack[.-])|\.tmp-|^\.tokpack-work$")
+# Its names are the format's own (constants.py, names.py, slices.py' rank files); "tokpack." and
+# "tokpack-" begin the manifest, the lock and the sidecars.
+_TRACE = re.compile(
+    rf"^(\d{{{SHARD_NAME_DIGITS},}}\.ds|rank-\d+\.ds|epoch-\d+$|{re.escape(HOLDOUT_DIR)}$|tokpack[.-])"
+    rf"|{re.escape(TMP_MARK)}|^{re.escape(WORK_DIR)}$"
+)
 
 
 def written_by_tokpack(directory: Path) -> bool:

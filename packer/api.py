@@ -12,6 +12,7 @@ import os
 import functools
 import inspect as _signature
 import numbers
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -35,7 +36,7 @@ def _epochs(value, name):
         return arguments.whole(value, name, least=1)
     value = list(value)  # a range, a generator or a numpy array of epoch numbers as a list
     numbers_ = [arguments.whole(e, f"{name}[{i}]", optional=False) for i, e in enumerate(value)]
-    twice = sorted({e for e in numbers_ if numbers_.count(e) > 1})
+    twice = sorted(e for e, n in Counter(numbers_).items() if n > 1)  # count() of each was quadratic
     if not numbers_ or twice:
         raise TokpackError(
             f"{name} must name each epoch once" if twice else f"{name} names no epoch",
