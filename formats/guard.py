@@ -296,6 +296,17 @@ class OutputLock:
         return False
 
 
+def lock_holder(directory) -> tuple[dict, bool] | None:
+    """The holder the lock of `directory` names and whether it may still run (False: a command
+    on this host that is gone, whose lock the next command takes over); None without a tokpack
+    lock. For a reader that explains an unfinished directory: it never takes nor removes the lock."""
+    lock = OutputLock(directory, "")
+    holder = lock._read(lock.path)
+    if not holder:
+        return None
+    return holder, not lock._stale(holder)
+
+
 def holder_name(command: str) -> str:
     """How a second command that finds the lock held is told who holds it: the command line
     that runs it, or the Python API's entry point."""

@@ -18,6 +18,7 @@ Document lengths come from the sources' `.ds.index` files, streamed in blocks.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,7 +26,8 @@ from pathlib import Path
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io.paths import as_path, local_path
 from tokpack.formats.io.gate import contained
-from tokpack.formats.constants import EPOCH, HOLDOUT_DIR, MANIFEST, RUN, SOURCE, STAGE_SIDECAR
+from tokpack.formats.constants import EPOCH, HOLDOUT_DIR, MANIFEST, RUN, SOURCE, STAGE_SIDECAR, WORK_DIR
+from tokpack.formats.guard import lock_holder
 from tokpack.formats.slices import contained_epoch_dir
 from tokpack.formats.numbering import shuffle_command
 from tokpack.formats.reading import manifest_kind, partial_stage_absent, read_manifest, read_source_manifest
@@ -79,6 +81,7 @@ class InspectResult(Result):
     path: str
     batch_size: int
     unreachable_sources: list[str] | None = optional_field()  # named by the epochs, not found: no document statistics
+    unfinished: dict | None = optional_field()  # a run's epochs (holdout) begun, not committed; the command to finish
     totals: dict = field(default_factory=dict)
     epochs: list[dict] | None = optional_field()  # each epoch's samples, sources' shares and packing figures
     packing: dict | None = optional_field()  # a run's or epoch's: method, padding, documents cut (over its epochs)
@@ -173,6 +176,8 @@ def inspect(directory, *, batch_size, batches, plot, seq_len, epoch, memory, doc
             hint=f"give one of {listed}, or drop --epoch"
             + (f"; write epoch {epoch} with `{shuffle_command(manifest, directory, epoch)}`" if kind == RUN else ""),
         )
+    if kind == RUN and (unfinished := _unfinished(directory, manifest)) is not None:
+        report["unfinished"] = unfinished
     names, sources = _sources_of(directory, manifest, epochs, report)
     report["totals"] = _totals(manifest, epochs, sources)
     if epochs:
@@ -244,6 +249,8 @@ def report_lines(r: InspectResult) -> list[str]:
         else f"held-out split {r.path} (RUN/holdout/: the documents `shuffle --holdout` sets aside from every "
         "training epoch; read it as an epoch)"
     ]
+    if r.unfinished is not None:
+        lines.append(_unfinished_line(r.unfinished))
     if r.unreachable_sources:
         lines.append(f"  sources not reachable (no document statistics): {', '.join(r.unreachable_sources)}")
     t = r.totals
@@ -323,6 +330,55 @@ def report_lines(r: InspectResult) -> list[str]:
 def _epoch_name(split: str | None, epoch) -> str:
     """How a line names an epoch of the report: RUN/holdout/ is the held-out split, not "epoch 0"."""
     return "held-out split" if split == "holdout" else f"epoch {epoch}"
+
+
+# What a shuffle leaves of an epoch (or of RUN/holdout/) it began and did not commit: the epoch's
+# folder, or its scratch in the work folder (named by run_setup: the epoch's folder, "-", a key).
+_EPOCH_FOLDER = re.compile(r"epoch-(\d+)")
+_SCRATCH = re.compile(rf"(?:epoch-(\d+)|{re.escape(HOLDOUT_DIR)})-[0-9a-f]+")
+
+
+def _unfinished(directory, manifest: dict) -> dict | None:
+    """The epochs of a run that a shuffle began and did not commit (a folder or scratch of an
+    epoch the run does not list), whether RUN/holdout/ is unfinished, and how to finish them: the
+    command its lock names (a killed shuffle's, or the one still writing), else `--like`. None when
+    there are none, or the run is not a local folder (its listing is not read)."""
+    local = local_path(directory)
+    if local is None:
+        return None
+    local, listed = Path(local), {int(e) for e in manifest.get("epochs") or []}
+    epochs, holdout = set(), (local / HOLDOUT_DIR).is_dir() and not (local / HOLDOUT_DIR / MANIFEST).exists()
+    try:
+        names = [p.name for p in local.iterdir() if p.is_dir()]
+        names += [p.name for p in (local / WORK_DIR).iterdir()] if (local / WORK_DIR).is_dir() else []
+    except OSError:
+        return None
+    for name in names:
+        folder, scratch = _EPOCH_FOLDER.fullmatch(name), _SCRATCH.fullmatch(name)
+        if folder or scratch and scratch.group(1):
+            epochs.add(int((folder or scratch).group(1)))
+        holdout = holdout or bool(scratch and not scratch.group(1))
+    epochs -= listed
+    if not epochs and not holdout:
+        return None
+    held = lock_holder(local)
+    holder, running = held if held is not None else ({}, False)
+    command = str(holder.get("command") or "")
+    # the killed command line is the one to rerun; the Python API's entry point is no command
+    if not running and (not command.startswith("tokpack shuffle ") or command.endswith("(Python API)")):
+        command = "; ".join(shuffle_command(manifest, directory, e) for e in sorted(epochs))
+    return {"epochs": sorted(epochs), "holdout": holdout, "command": command or None, "running": running}
+
+
+def _unfinished_line(u: dict) -> str:
+    what = ", ".join([f"epoch {e}" for e in u["epochs"]] + ["the held-out split"] * u["holdout"])
+    if u["running"]:
+        return f"  unfinished: {what}, being written now by `{u['command']}`: inspect again when it is done"
+    how = f"rerun `{u['command']}`" if u["command"] else "rerun the shuffle command that wrote the run"
+    return (
+        f"  unfinished: {what} (begun, not committed: its shuffle was stopped); finish it: {how} "
+        "(the complete epochs are kept, not written again)"
+    )
 
 
 def _source_length_lines(per_source: list[dict]) -> list[str]:

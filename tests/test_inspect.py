@@ -319,3 +319,71 @@ def test_inspect_of_a_best_fit_epoch_stays_within_its_memory(tmp_path, monkeypat
         tracemalloc.stop()
     assert _series(stats) == after
     assert whole > table_bytes > bounded, (whole, table_bytes, bounded)
+
+
+def _dead_pid() -> int:
+    """The pid of a process that has exited (reaped): a killed command's, as its lock names it."""
+    import subprocess
+
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_an_epoch_a_killed_shuffle_left_unfinished_is_reported_with_how_to_finish_it(tmp_path):
+    """A shuffle SIGKILLed while writing epoch 1 of 2 leaves the run listing epoch 0, epoch-00001/
+    holding a shard and a temporary, and its lock: inspect says epoch 1 is unfinished and gives the
+    killed command to rerun (the lock's); without a lock, `--like`, which does finish it."""
+    import shlex
+    import socket
+
+    src = write_source(tmp_path / "src", random_docs(np.random.default_rng(3), 120, 1000, 0), docs_per_shard=40)
+    run = shuffle(tmp_path / "run", [src], epochs=1)
+    assert inspect(run).get("unfinished") is None  # a complete run: no such field
+    left = run / epoch_dir_name(1)
+    left.mkdir()
+    shutil.copy(run / epoch_dir_name(0) / "00000.ds", left / "00000.ds")
+    (left / "00000.ds.rows.tmp-4242-0123abcd").write_bytes(b"\0" * 8)
+
+    report = inspect(run)
+    assert report["totals"]["epochs"] == [0]  # the complete epoch, reported as before
+    like = f"tokpack shuffle --like {run} --epoch 1"
+    assert report["unfinished"] == {"epochs": [1], "holdout": False, "command": like, "running": False}
+    r = CliRunner().invoke(main, ["inspect", str(run)])
+    assert r.exit_code == 0 and "unfinished: epoch 1 (begun, not committed" in r.output and like in r.output
+    r = CliRunner().invoke(main, ["inspect", str(run), "--json"])
+    assert r.exit_code == 0 and json.loads(r.output)["unfinished"]["epochs"] == [1]
+
+    killed = f"tokpack shuffle {src} -o {run} --seq-len {L} --seed 5 --epochs 2"
+    lock = {"host": socket.gethostname(), "pid": _dead_pid(), "start": None, "since": 0, "command": killed}
+    (run / "tokpack.lock").write_text(json.dumps(lock))
+    assert inspect(run)["unfinished"]["command"] == killed  # the command the user ran, rerun as it was
+    (run / "tokpack.lock").unlink()
+
+    r = CliRunner().invoke(main, shlex.split(like)[1:])  # the hint given finishes the run
+    assert r.exit_code == 0, r.output
+    assert inspect(run).get("unfinished") is None and inspect(run)["totals"]["epochs"] == [0, 1]
+
+
+def test_a_shuffle_still_writing_an_epoch_is_named_not_told_to_rerun(tmp_path):
+    """An epoch's scratch alone (the scatter, before its folder) while the lock's holder runs: the
+    epoch is being written, by that command."""
+    import os
+    import socket
+
+    from tokpack.formats.constants import WORK_DIR
+    from tokpack.formats.guard import process_start
+
+    src = write_source(tmp_path / "src", random_docs(np.random.default_rng(4), 60, 1000, 0), docs_per_shard=30)
+    run = shuffle(tmp_path / "run", [src], epochs=1)
+    (run / WORK_DIR / f"{epoch_dir_name(2)}-9c69ed282550ed2a").mkdir(parents=True)
+    me = {"host": socket.gethostname(), "pid": os.getpid(), "start": process_start(os.getpid())}
+    (run / "tokpack.lock").write_text(json.dumps({**me, "command": "tokpack shuffle --like R --epoch 2"}))
+    result = inspect_dir(run)
+    assert result.unfinished == {
+        "epochs": [2],
+        "holdout": False,
+        "command": "tokpack shuffle --like R --epoch 2",
+        "running": True,
+    }
+    assert any("epoch 2, being written now by" in line for line in report_lines(result))
