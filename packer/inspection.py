@@ -227,8 +227,7 @@ def inspect(directory, *, batch_size, batches, plot, seq_len, epoch, memory, doc
             where="--documents-per-row",
             expected="the epoch's token files",
             found=away,
-            hint="inspect a directory that holds the whole epoch (the run it was staged or shuffled from, "
-            "or a node's slice with `tokpack read`)",
+            hint=_counted_elsewhere(chosen[1], chosen[2]),
         )
     if documents_per_row and chosen is not None and chosen[2].get("eos_id") is not None:
         # One pass over the epoch's rows (asked for: O(the epoch's bytes), where the rest of
@@ -312,7 +311,15 @@ def report_lines(r: InspectResult) -> list[str]:
         lines.append("  batch diversity: pass --seq-len to see it for a packed source")
     elif r.batch_diversity:
         lines += _diversity_lines(r.batch_diversity, r.batch_size, r.split)
-    if r.documents_per_row is None and r.kind != SOURCE:
+    recorded = (r.packing or {}).get("max_documents_per_row")
+    if r.documents_per_row is None and r.kind != SOURCE and "after" not in (r.batch_diversity or {}):
+        # the epoch's tokens are not here (the note above says why): --documents-per-row cannot read them
+        if recorded is not None:
+            lines.append(
+                f"  documents per row: at most {recorded}, as the epochs' manifests record; fixed shapes: "
+                f"TokpackDataset(..., max_documents={recorded})"
+            )
+    elif r.documents_per_row is None and r.kind != SOURCE:
         lines.append(
             "  documents per row: --documents-per-row finds the max_documents to train with (reads the epoch once)"
         )
@@ -408,6 +415,21 @@ def _epochs_of(directory: Path, manifest: dict) -> list[tuple[int, Path, dict]]:
         dirs = [(int(e), contained_epoch_dir(directory, int(e))) for e in manifest.get("epochs") or []]
         return [(e, d, read_manifest(d, EPOCH)) for e, d in dirs]
     return []
+
+
+def _counted_elsewhere(folder, epoch: dict) -> str:
+    """How to find the max_documents of an epoch whose tokens are not here: a best-fit epoch's
+    manifest records it; a `shuffle --to-nodes` epoch is whole in no folder (was: "inspect the
+    run it was shuffled from", which holds no more of it); a partial stage's run holds it all."""
+    recorded = (epoch.get("packing") or {}).get("max_documents_per_row")
+    if recorded is not None:
+        return f"drop --documents-per-row: the epoch's manifest records the figure, max_documents_per_row {recorded}"
+    if tokens_on_nodes(folder, epoch.get("shards") or []):
+        return (
+            "drop --documents-per-row: a `shuffle --to-nodes` epoch is whole in no folder; a `shuffle -o` "
+            "of the same sources and settings writes the same epoch to one, which it reads"
+        )
+    return "inspect the run it was staged from, which holds the whole epoch"
 
 
 def _tokens_away(chosen) -> str | None:

@@ -138,6 +138,29 @@ def test_an_epoch_of_a_to_nodes_run_says_where_its_tokens_are(env):
     assert code == 1 and out == "" and "[--documents-per-row]" in err and "node slices" in err, err
 
 
+def test_a_to_nodes_run_is_not_told_to_use_documents_per_row_which_cannot_read_it(env):
+    """inspect of a `shuffle --to-nodes` run ended "documents per row: --documents-per-row finds
+    the max_documents to train with", an option that exits 1 there (the tokens are in the node
+    slices), whose line then said "inspect ... the run it was shuffled from": there is no such
+    run. Windows: no suggestion, and the option's HINT says what does hold the epoch. Best-fit:
+    the figure its manifests record, which is the one the option would find."""
+    _as_to_nodes(env / "run")
+    code, out, err = cli("inspect", env / "run")
+    assert code == 0 and "node slices" in out and "documents per row" not in out, (out, err)
+    code, out, err = cli("inspect", env / "run", "--documents-per-row")
+    assert code == 1 and "shuffled from" not in err and "a `shuffle -o` of the same sources" in err, err
+
+    _as_to_nodes(env / "bf")
+    recorded = json.loads((env / "bf" / epoch_dir_name(0) / "tokpack.json").read_text())["packing"]
+    most = recorded["max_documents_per_row"]
+    code, out, err = cli("inspect", env / "bf")
+    assert code == 0 and "--documents-per-row" not in out, (out, err)
+    assert f"documents per row: at most {most}, as the epochs' manifests record" in out, out
+    assert f"TokpackDataset(..., max_documents={most})" in out, out
+    code, out, err = cli("inspect", env / "bf", "--documents-per-row")
+    assert code == 1 and f"the epoch's manifest records the figure, max_documents_per_row {most}" in err, err
+
+
 def test_a_partial_stage_is_inspected_without_the_shards_it_left_out(env, tmp_path):
     """inspect of a `stage --shards-of` copy that left shards out said "shard listed in the
     manifest is missing. HINT: restore the file" (validate and read know the copy is partial
@@ -149,6 +172,8 @@ def test_a_partial_stage_is_inspected_without_the_shards_it_left_out(env, tmp_pa
     diversity = json.loads(out)["batch_diversity"]
     assert code == 0 and "after" not in diversity, (out, err)
     assert "shards were left out by a partial stage (tokpack-stage.json)" in diversity["note"], diversity
+    code, out, err = cli("inspect", copy, "--documents-per-row")  # the run staged from holds it all
+    assert code == 1 and "HINT: inspect the run it was staged from, which holds the whole epoch" in err, err
 
 
 def test_a_node_slice_given_where_a_run_is_taken_says_what_to_give(env, tmp_path):
