@@ -44,6 +44,7 @@ from tokpack.formats.io.gate import read_limited
 from tokpack.formats.constants import EPOCH, MANIFEST, MAX_EPOCHS, NODES_SIDECAR, RUN, RUN_KEYS, SLICE
 from tokpack.formats.reading import partial_stage_absent, read_manifest, strict_json
 from tokpack.formats.numbering import EpochNumbering, shuffle_command
+from tokpack.formats.packing import holdout_recorded
 from tokpack.formats.shards import row_segments, tokens_on_nodes
 from tokpack.formats.slices import RankRows, contained_epoch_dir, epoch_disagreements, run_digest
 from tokpack.formats.units import counted
@@ -98,6 +99,7 @@ class Sample:
     sample: int  # index of the sample within its epoch
     index: int  # index in the chained stream
     tokens: np.ndarray  # seq_len + 1 tokens
+    split: str | None = None  # "holdout": of RUN/holdout/, the held-out split (`epoch`, its manifest's, names no epoch)
 
 
 def _schedule_end_hint(numbering: EpochNumbering, run_dir=None) -> str:
@@ -131,6 +133,7 @@ class SampleReader(ShardFiles):
 
     numbering: EpochNumbering | None = None  # a run's numbering; None: chain order from 0
     run: tuple[str, dict] | None = None  # (run directory, run manifest), for the command hints
+    splits: tuple[str | None, ...] = ()  # each chained epoch's: "holdout" for RUN/holdout/, else None
 
     # ----------------------------------------------------------------- opening
 
@@ -218,6 +221,7 @@ class SampleReader(ShardFiles):
         """
         reader = cls(*chain_table(epochs, absent, numbering), verify=verify)
         reader.numbering, reader.run = numbering, run
+        reader.splits = tuple("holdout" if holdout_recorded(m)[1] else None for _, m in epochs)
         return reader
 
     # -------------------------------------------------------------- positions
@@ -250,6 +254,8 @@ class SampleReader(ShardFiles):
             raise self.missing_epoch_error(g, missing[0])
         if self.run is not None:  # the run was passed, and its schedule's epochs all end before g
             hint = _schedule_end_hint(self.numbering)
+        elif self.splits[-1:] == ("holdout",):  # no epoch follows RUN/holdout/ (was: "write more epochs")
+            hint = f"the held-out split ends at sample {self.total_samples:,} (no command adds to it): start below it"
         else:
             parent = as_path(self.table.epoch_dirs[-1]).parent  # the run, when the epochs are still in it
             run = {"kind": RUN} if (parent / MANIFEST).is_file() else {}
@@ -306,6 +312,11 @@ class SampleReader(ShardFiles):
         if pos < 0:
             raise no_such_sample(g, self.table.epochs)
         return self.table.epochs[pos], int(g - self.table.epoch_starts[pos])
+
+    def _split_at(self, g: int) -> str | None:
+        """The split chained sample g is of ("holdout": RUN/holdout/), None for an epoch's."""
+        pos = self.table.epoch_pos_of(g)
+        return self.splits[pos] if 0 <= pos < len(self.splits) else None
 
     def epoch_sample(self, g: int) -> tuple[int, int]:
         """(epoch, sample) naming any position G, also one past the last written sample (a
@@ -517,7 +528,7 @@ class SampleReader(ShardFiles):
             for rows in stream:
                 g = stream.state.first_sample(stream.last_step)
                 for j in range(len(rows)):
-                    yield Sample(*self.locate(g + j), g + j, rows[j])
+                    yield Sample(*self.locate(g + j), g + j, rows[j], self._split_at(g + j))
 
         yield from itertools.islice(samples(), count)
 

@@ -100,6 +100,9 @@ def read(directory, tokenizer, as_json, **kw):
     for item in samples:
         fields = {"epoch": item.epoch, "sample": item.sample, "rank": rank, "tokens": item.tokens.tolist()}
         header = f"epoch {item.epoch} sample {item.sample} rank {rank}:"
+        if item.split is not None:  # RUN/holdout/ is no epoch of the run: named as inspect names it
+            fields = {"split": item.split, **fields}
+            header = f"held-out split sample {item.sample} rank {rank}:"
         if tokenizer is not None:  # decoded by packer.vocab.sample_text
             pad = int(reader.padding(item.index, 1)[0]) if reader.packed else 0
             fields.update(text=sample_text(tok, item.tokens, reader.eos_id, pad), padding=pad)

@@ -797,3 +797,31 @@ def test_a_copy_of_the_run_brings_its_holdout_and_a_rank_copy_does_not(corpus, t
     code, _, err = cli("stage", run, tmp_path / "ranks", "--shards-of", "0/2", "--micro-batch", 2)
     assert code == 0, err
     assert not (tmp_path / "ranks" / "holdout").exists()
+
+
+@pytest.mark.parametrize("packing", ["concat", "best-fit"])
+def test_read_names_the_held_out_split_not_epoch_0(corpus, tmp_path, packing):
+    """`tokpack read RUN/holdout` labelled its rows "epoch 0 sample S" (its manifest's epoch
+    number), as if the held-out split were the run's first epoch, and past its end said "write
+    more epochs": it is no epoch. Its rows are now "held-out split sample S", its JSON adds
+    "split": "holdout" (as inspect's), and its end says no command adds to it. The run's own
+    epoch 0 reads as before."""
+    root, _ = corpus
+    run = tmp_path / "run"
+    code, _, err = cli(
+        "shuffle", root / "web", "-o", run, "--seq-len", SEQ, "--seed", 4, "--epochs", 1, "--holdout", "10%",
+        "--packing", packing,
+    )  # fmt: skip
+    assert code == 0, err
+    n = read_manifest(run / "holdout")["samples"]
+    code, out, err = cli("read", run / "holdout", "--count", 2)
+    assert code == 0 and out.startswith("held-out split sample 0 rank 0: [") and "epoch" not in out, (out, err)
+    code, out, err = cli("read", run / "holdout", "--count", 1, "--json")
+    first = json.loads(out)
+    assert code == 0 and first["split"] == "holdout" and first["sample"] == 0, out
+    code, out, err = cli("read", run / "holdout", "--start-sample", n + 5)
+    assert code == 1 and "write more epochs" not in err and f"held-out split ends at sample {n:,}" in err, err
+    code, out, err = cli("read", run, "--count", 1, "--json")
+    assert code == 0 and "split" not in json.loads(out) and json.loads(out)["epoch"] == 0, out
+    code, out, err = cli("read", run, "--count", 1)
+    assert code == 0 and out.startswith("epoch 0 sample 0 rank 0: ["), out
