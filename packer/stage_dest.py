@@ -8,6 +8,7 @@ and RUN's manifests as the node reads them back."""
 
 from __future__ import annotations
 
+import heapq
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,7 @@ from tokpack.formats.io.paths import local_path
 from tokpack.formats.io.writes import is_tmp_name
 from tokpack.formats.constants import (
     EPOCH,
+    HOLDOUT_DIR,
     LOCK_NAME,
     MANIFEST,
     MAX_MANIFEST_BYTES,
@@ -182,7 +184,7 @@ _RANK_FILE = re.compile(r"rank-(\d+)[.]ds([.].*)?")
 class Held:
     """What DEST holds, for the line that refuses it."""
 
-    kind: str | None  # a root manifest's kind, an UNFINISHED value, "damaged", "other" or None (nothing)
+    kind: str | None  # a root manifest's kind, an UNFINISHED value, "damaged", "other", "foreign" or None (nothing)
     words: str  # e.g. "a node slice of ranks 0-1 of 4 (micro-batch 3) of the run with seed 0"
     path: Path  # the file or folder that says so
     manifest: dict | None = None  # DEST's root manifest, when it has one
@@ -252,6 +254,9 @@ def dest_holds(dest: Path, path: Path | None = None, other_run: bool = False) ->
         return Held(kind if kind in UNFINISHED else "other", words, root, m)
     if not dest.is_dir():
         return Held(None, "nothing", dest)
+    foreign = _foreign_entries(dest)
+    if foreign:
+        return Held("foreign", foreign, dest)
     held = Held(None, "nothing", dest)
     for p in sorted(dest.iterdir()):
         if p.name in ("tokpack.lock", STAGE_SIDECAR) or is_tmp_name(p.name):
@@ -298,8 +303,32 @@ def dest_holds(dest: Path, path: Path | None = None, other_run: bool = False) ->
     return held
 
 
+def _foreign_entries(dest: Path) -> str:
+    """DEST's entries that no stage writes, in a few words ("" for none): their count and the
+    first three names (a home folder may hold thousands: counted as listed, never all held)."""
+    count, first = 0, []
+    for p in dest.iterdir():
+        ours = p.name in (LOCK_NAME, STAGE_SIDECAR) or is_tmp_name(p.name) or is_own_file(p)
+        if ours or p.is_dir() and (p.name.startswith("epoch-") or p.name in (HOLDOUT_DIR, WORK_DIR)):
+            continue
+        count += 1
+        first = heapq.nsmallest(3, [*first, p.name])
+    if not count:
+        return ""
+    return f"{count:,} entr{'ies' if count != 1 else 'y'} a stage did not write ({', '.join(first)}{', ...' * (count > 3)})"
+
+
 def refuse_dest(held: Held, expected: str) -> TokpackError:
     """The one line refusing a DEST: what it holds, and that a stage writes over its own copy only."""
+    if held.kind == "foreign":  # a user's folder: never "remove DEST", which would delete their files
+        return TokpackError(
+            "DEST is a folder of other files, not a stage destination",
+            file=held.path,
+            expected="an empty folder, or a previous stage destination",
+            found=held.words,
+            hint="give a new or empty DEST, or the folder a previous stage wrote; a stage writes no copy among "
+            "other files (nor removes them), as shuffle -o and pack -o do not",
+        )
     return TokpackError(
         "DEST already holds a different tokpack directory",
         file=held.path,

@@ -254,6 +254,34 @@ def test_a_stage_into_the_directory_it_stages_is_refused(runs, tmp_path, selecti
     assert tree(run) == tree(runs["run"])
 
 
+@pytest.mark.parametrize("what", ["run", "src", "epoch", "shards-of", "node"])
+def test_a_folder_of_other_files_is_refused_and_left_as_it_was(runs, tmp_path, what):
+    """A whole-run, source or epoch stage into a folder of a user's files (a home-like folder)
+    wrote the copy among them and exit 0, where shuffle -o and pack -o refuse such a folder; a
+    node slice refused it, but with "DEST already holds a different tokpack directory... HINT:
+    remove DEST", which would delete the user's files. Every form now gives one line naming the
+    folder and what is there, HINT an empty folder or a previous stage destination; DEST is left
+    byte for byte as it was. An empty folder and a previous destination are still taken."""
+    home = tmp_path / "home"
+    (home / "docs").mkdir(parents=True)
+    (home / "docs" / "a.txt").write_text("mine")
+    (home / "notes.txt").write_text("mine too")
+    args = {
+        "run": ["stage", runs["run"], home],
+        "src": ["stage", runs["src"], home],
+        "epoch": ["stage", runs["run"] / epoch_dir_name(0), home],
+        "shards-of": ["stage", runs["run"], home, "--shards-of", "0/2", "--micro-batch", M],
+        "node": slice_args(runs["run"], home, "node"),
+    }[what]
+    line = refused(args, home, f"{home}: DEST is a folder of other files, not a stage destination")
+    assert "found 2 entries a stage did not write (docs, notes.txt)" in line, line
+    assert "HINT: give a new or empty DEST, or the folder a previous stage wrote" in line and "remove DEST" not in line
+    (home / "notes.txt").unlink()
+    shutil.rmtree(home / "docs")
+    assert CliRunner().invoke(main, [str(a) for a in args]).exit_code == 0  # empty: taken
+    assert CliRunner().invoke(main, [str(a) for a in args]).exit_code == 0  # its own destination: restaged
+
+
 # ------------------------------------------------------------------ its own copy: restaged, resumed
 
 
