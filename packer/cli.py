@@ -10,6 +10,7 @@ traceback (a bug's traceback goes to a log file, or to stderr under `--debug`), 
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import sys
@@ -53,10 +54,25 @@ def _raising(stop: type[BaseException]):
     """The signal handler that raises `stop` in the main thread, the process ending soon after whatever happens."""
 
     def handler(signum, frame):
-        _exit_soon(STOPPED[stop][1])
-        raise stop()
+        done = cli_report.done_status()
+        _exit_soon(STOPPED[stop][1] if done is None else done)
+        if done is None:
+            raise stop()
+        # The result is printed (or being printed), the work committed, the lock released: the
+        # command ends as it would have, with its own status (was 143, and under --json a second
+        # object, "ok": false, after the "ok": true one).
 
     return handler
+
+
+@atexit.register  # registered at import: runs after the handlers a command registers (last in, first out)
+def _ignore_stops_once_done() -> None:
+    """The interpreter's teardown, after atexit, puts back the default action of every signal
+    handled in Python: a SIGTERM there killed a command that had printed its result (status 143).
+    Its own process, done: ignored from here on (nothing is left that a signal could stop)."""
+    if _OWN_PROCESS and cli_report.done_status() is not None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
 
 
 class _Tokpack(click.Group):
@@ -101,9 +117,12 @@ class _Tokpack(click.Group):
         except Exception as e:  # noqa: BLE001 - outside any command (option parsing...): a bug too
             internal_error(next((a for a in argv if not a.startswith("-")), "command"), e, as_json)
         finally:
-            if previous is signal.SIG_DFL:
+            # The process's own command line, its result printed: a stop while it exits (joining
+            # threads, atexit) is the handler's, which lets it end with its status.
+            done = _OWN_PROCESS and cli_report.done_status() is not None
+            if previous is signal.SIG_DFL and not done:
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            if catch_interrupt:
+            if catch_interrupt and not done:
                 signal.signal(signal.SIGINT, interrupt)
         if not standalone_mode:
             return result

@@ -23,7 +23,10 @@ def emit(result, as_json: bool, report_lines=None, err: bool = False, shown: dic
     """One machine-readable object on stdout with --json; otherwise the `report_lines(result)`
     of a command that has them (on stderr if `err`), or a short human summary (with `shown`'s
     values instead of the summary's, for humans)."""
+    global _DONE
     summary = result.to_json()
+    # done from here: a stop while this prints lets it finish (tokpack.packer.cli), the status its own
+    _DONE = EXIT_DATA if summary.get("ok") is False else 0  # validate's failed checks exit 1
     if as_json:
         click.echo(json.dumps(summary, default=str))
     elif report_lines is not None:
@@ -34,6 +37,13 @@ def emit(result, as_json: bool, report_lines=None, err: bool = False, shown: dic
             if value is None or isinstance(value, (list, dict)):
                 continue
             click.echo(f"{key:>18}: {(shown or {}).get(key, value)}")
+
+
+def done_status() -> int | None:
+    """The exit status of the command whose result is printed or being printed (its work done, its
+    lock released), None before: a Ctrl-C or SIGTERM then stops nothing, so it must not turn the
+    printed `"ok": true` into 143 and a second, failed JSON object (tokpack.packer.cli)."""
+    return _DONE
 
 
 class Terminated(BaseException):
@@ -53,12 +63,13 @@ def stopped(e: BaseException) -> tuple[str, str, int]:
 
 _DEBUG = False  # --debug: a bug's traceback goes to stderr instead of a log file
 _FAILED = False  # a failure was reported already (its JSON object printed): report nothing more
+_DONE: int | None = None  # done_status()
 
 
 def start(debug: bool) -> None:
     """A command line starts (tokpack.packer.cli's group): nothing reported yet."""
-    global _DEBUG, _FAILED
-    _DEBUG, _FAILED = debug, False
+    global _DEBUG, _FAILED, _DONE
+    _DEBUG, _FAILED, _DONE = debug, False, None
 
 
 def debug_on(debug: bool) -> None:

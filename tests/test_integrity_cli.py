@@ -230,6 +230,57 @@ def test_lock_released_on_ctrl_c_and_sigterm_and_the_rerun_completes(sources, tm
     assert tokpack(tmp_path, "validate", out).returncode == 0
 
 
+# A shuffle that stops itself (SIGSTOP) once its result is printed: {where} is after the summary
+# (inside the command), in an atexit handler that runs before tokpack's own (the interpreter
+# still runs Python handlers), or in one that runs after it (the teardown, where the interpreter
+# puts back each Python handler's default action).
+DONE_PAUSED = """
+import atexit, os, signal, sys
+def pause():
+    os.kill(os.getpid(), signal.SIGSTOP)
+if {where!r} == "teardown":
+    atexit.register(pause)
+import tokpack.packer.cli_write as cli_write
+from tokpack.packer.cli import main
+if {where!r} == "exit":
+    atexit.register(pause)
+if {where!r} == "printed":
+    emit = cli_write.emit
+    def emit_then_pause(*args, **kwargs):
+        emit(*args, **kwargs)
+        sys.stdout.flush()
+        pause()
+    cli_write.emit = emit_then_pause
+main()
+"""
+
+
+@pytest.mark.parametrize("where", ["printed", "exit", "teardown"])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_after_the_result_is_printed_leaves_the_success_as_it_is(sources, tmp_path, where, sig):
+    """A shuffle --json that had printed {"ok": true, ...} (its epochs committed, its lock
+    released) and then got SIGTERM (a scheduler's end, `timeout`) exited 143, and printed a
+    second object, {"ok": false, "error": "Terminated"...}, when the signal came before the
+    command returned: a finished run reported as stopped, the one-object rule broken. The stop
+    now changes nothing: status 0, the one object, no line."""
+    small, _ = sources
+    out = tmp_path / "run"
+    code = DONE_PAUSED.format(where=where)
+    args = [sys.executable, "-c", code, "shuffle", small, "-o", out, *SHUFFLE, "--json"]
+    proc = subprocess.Popen(
+        [str(a) for a in args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        env=child_env(tmp_path), preexec_fn=default_sigint,
+    )  # fmt: skip
+    _, status = os.waitpid(proc.pid, os.WUNTRACED)
+    assert os.WIFSTOPPED(status), "the shuffle ended before it paused"
+    os.kill(proc.pid, sig)
+    os.kill(proc.pid, signal.SIGCONT)
+    stdout, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and err == "", (proc.returncode, stdout, err)
+    assert json.loads(stdout)["ok"] is True and stdout.count("\n") == 1, stdout  # exactly one object
+    assert tokpack(tmp_path, "validate", out).returncode == 0 and not (out / LOCK_NAME).exists()
+
+
 def test_ctrl_c_stops_a_command_started_with_sigint_ignored(sources, tmp_path):
     """A background job of a non-interactive shell (nohup, `cmd &` in a script) inherits SIGINT
     ignored; tokpack takes it back at start, so that SIGINT still stops it: 130, the usual line,
