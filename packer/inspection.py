@@ -26,7 +26,7 @@ from pathlib import Path
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io.paths import as_path, local_path
 from tokpack.formats.io.gate import contained
-from tokpack.formats.constants import EPOCH, HOLDOUT_DIR, MANIFEST, RUN, SOURCE, STAGE_SIDECAR, WORK_DIR
+from tokpack.formats.constants import EPOCH, HOLDOUT_DIR, MANIFEST, NODES_SIDECAR, RUN, SOURCE, STAGE_SIDECAR, WORK_DIR
 from tokpack.formats.guard import lock_holder
 from tokpack.formats.slices import contained_epoch_dir
 from tokpack.formats.numbering import shuffle_command
@@ -372,9 +372,16 @@ def _unfinished(directory, manifest: dict) -> dict | None:
     holder, running = held if held is not None else ({}, False)
     command = str(holder.get("command") or "")
     # the killed command line is the one to rerun; the Python API's entry point is no command
+    on_nodes = (local / NODES_SIDECAR).is_file()  # a --to-nodes run: rerun as launched; --like writes no slices
     if not running and (not command.startswith("tokpack shuffle ") or command.endswith("(Python API)")):
-        command = "; ".join(shuffle_command(manifest, directory, e) for e in sorted(epochs))
-    return {"epochs": sorted(epochs), "holdout": holdout, "command": command or None, "running": running}
+        command = "" if on_nodes else "; ".join(shuffle_command(manifest, directory, e) for e in sorted(epochs))
+    return {
+        "epochs": sorted(epochs),
+        "holdout": holdout,
+        "command": command or None,
+        "running": running,
+        "to_nodes": on_nodes,
+    }
 
 
 def _unfinished_line(u: dict) -> str:
@@ -382,6 +389,8 @@ def _unfinished_line(u: dict) -> str:
     if u["running"]:
         return f"  unfinished: {what}, being written now by `{u['command']}`: inspect again when it is done"
     how = f"rerun `{u['command']}`" if u["command"] else "rerun the shuffle command that wrote the run"
+    if u["to_nodes"]:  # its lock names process 0's command line, not the launcher
+        how += " under the launcher that started it (mpirun/srun, the same processes)"
     return (
         f"  unfinished: {what} (begun, not committed: its shuffle was stopped); finish it: {how} "
         "(the complete epochs are kept, not written again)"

@@ -348,7 +348,13 @@ def test_an_epoch_a_killed_shuffle_left_unfinished_is_reported_with_how_to_finis
     report = inspect(run)
     assert report["totals"]["epochs"] == [0]  # the complete epoch, reported as before
     like = f"tokpack shuffle --like {run} --epoch 1"
-    assert report["unfinished"] == {"epochs": [1], "holdout": False, "command": like, "running": False}
+    assert report["unfinished"] == {
+        "epochs": [1],
+        "holdout": False,
+        "command": like,
+        "running": False,
+        "to_nodes": False,
+    }
     r = CliRunner().invoke(main, ["inspect", str(run)])
     assert r.exit_code == 0 and "unfinished: epoch 1 (begun, not committed" in r.output and like in r.output
     r = CliRunner().invoke(main, ["inspect", str(run), "--json"])
@@ -385,5 +391,28 @@ def test_a_shuffle_still_writing_an_epoch_is_named_not_told_to_rerun(tmp_path):
         "holdout": False,
         "command": "tokpack shuffle --like R --epoch 2",
         "running": True,
+        "to_nodes": False,
     }
     assert any("epoch 2, being written now by" in line for line in report_lines(result))
+
+
+def test_an_unfinished_holdout_or_to_nodes_epoch_is_reported_and_finished_as_it_was_launched(tmp_path):
+    """RUN/holdout/ begun and not committed (written after the epochs) is unfinished too; a
+    `--to-nodes` run's epoch is finished by its job under its launcher (its lock names process 0's
+    command line; `--like` writes no node slices, so it is not offered)."""
+    src = write_source(tmp_path / "src", random_docs(np.random.default_rng(6), 60, 1000, 0), docs_per_shard=30)
+    run = shuffle(tmp_path / "run", [src], epochs=1)
+    (run / "holdout").mkdir()
+    (run / "holdout" / "00000.ds.tmp-77-0123abcd").write_bytes(b"")
+    u = inspect(run)["unfinished"]
+    assert u["holdout"] is True and u["epochs"] == [] and u["command"] is None and u["to_nodes"] is False
+    assert "unfinished: the held-out split (begun" in report_lines(inspect_dir(run))[1]
+    shutil.rmtree(run / "holdout")
+
+    (run / "tokpack-nodes.json").write_text(json.dumps({"format": "tokpack-nodes", "dest": "/nvme/{node}"}))
+    (run / epoch_dir_name(1)).mkdir()
+    u = inspect(run)["unfinished"]
+    assert u == {"epochs": [1], "holdout": False, "command": None, "running": False, "to_nodes": True}
+    line = report_lines(inspect_dir(run))[1]
+    assert "rerun the shuffle command that wrote the run under the launcher that started it" in line, line
+    assert "--like" not in line
