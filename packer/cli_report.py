@@ -4,11 +4,13 @@ the exit status tokpack.packer.cli documents)."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import errno
 import functools
 import json
 import os
+import select
 import sys
 import traceback
 
@@ -160,11 +162,34 @@ def internal_error(command: str, exc: BaseException, as_json: bool) -> None:
 
 
 RESUME = "rerun the same command to resume"
+EXIT_PIPE = 128 + 13  # as a Unix tool killed by SIGPIPE: `tokpack read ... | head` under `set -o pipefail`
+
+
+def _stdout_gone() -> bool:
+    """Whether stdout is a pipe whose reader has gone (`| head` took what it wanted): poll says
+    POLLERR there. A broken pipe elsewhere (a socket to storage) is an error to report."""
+    try:
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(ev & select.POLLERR for _, ev in poll.poll(0))
+    except (OSError, ValueError, AttributeError):  # no real stdout (a test's capture)
+        return False
+
+
+def _quiet_exit_for_closed_stdout() -> None:
+    """What the reader of stdout wanted, it read: no line (nobody reads it). stdout points at
+    /dev/null, so the interpreter's last flush of what was buffered for it fails on nothing."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    sys.exit(EXIT_PIPE)
 
 
 def user_errors(fn):
     """Turns every failure of a command into one line on stderr (and one JSON object under
-    --json): TokpackError and OSError exit 1, Ctrl-C 130, SIGTERM 143, a bug in tokpack 70."""
+    --json): TokpackError and OSError exit 1, Ctrl-C 130, SIGTERM 143, a bug in tokpack 70; a
+    stdout whose reader left (`| head`) 141, with no line."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -184,6 +209,10 @@ def user_errors(fn):
             message = f"this command needs the module {e.name!r}, which is not installed"
             line = f"tokpack: error: {message}{HINT_MARK}pip install {e.name}"
             _report(line, error_json("ModuleNotFoundError", message, hint=f"pip install {e.name}"), EXIT_DATA, as_json)
+        except BrokenPipeError as e:
+            if not _stdout_gone():
+                _report(*_os_error_line(e), EXIT_DATA, as_json)
+            _quiet_exit_for_closed_stdout()
         except OSError as e:  # the environment: a full disk, a read-only output, a symlink loop...
             _report(*_os_error_line(e), EXIT_DATA, as_json)
         except RuntimeError as e:

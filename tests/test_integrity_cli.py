@@ -586,3 +586,34 @@ def test_a_damaged_source_changed_marker_leaves_the_tasks_own_failure(tmp_path, 
         with run._source_check(job, None):
             raise RuntimeError("task 0 of 1 failed")
     assert not marker.exists()
+
+
+def test_a_reader_that_closes_stdout_ends_the_command_quietly_with_141(sources, tmp_path):
+    """`tokpack read RUN | head -1`: the reader took what it wanted and left. The command stops
+    as a Unix tool stopped by SIGPIPE (141 for `set -o pipefail`), with no line on stderr: not
+    "error: Broken pipe" (exit 1), nor Python's "Exception ignored ... BrokenPipeError"."""
+    small, _ = sources
+    run = tmp_path / "run"
+    assert (
+        tokpack(tmp_path, "shuffle", small, "-o", run, "--seq-len", "63", "--seed", "1", "--epochs", "1").returncode
+        == 0
+    )
+    for as_json in ([], ["--json"]):
+        cmd = [sys.executable, "-m", "tokpack.packer.cli", "read", str(run), "--count", "100000", *as_json]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, env=child_env(tmp_path))
+        first = proc.stdout.readline()
+        proc.stdout.close()  # as `head -1` does once it has its line
+        err = proc.stderr.read()
+        proc.wait(timeout=120)
+        assert first.startswith(b"{" if as_json else b"epoch 0 sample 0") and (proc.returncode, err) == (141, b""), err
+
+
+def test_a_broken_pipe_that_is_not_stdout_is_one_line(sources, tmp_path):
+    """A broken pipe to something else (a socket to a store) is an error of the environment:
+    one line and exit 1, while stdout is open."""
+    small, _ = sources
+    code = BUGGY.format(module="tokpack.shuffle.run_setup", name="open_sources", exc="BrokenPipeError")
+    r = tokpack(
+        tmp_path, "shuffle", small, "-o", tmp_path / "run", "--seq-len", "63", "--seed", "1", "--epochs", "1", code=code
+    )
+    assert r.returncode == 1 and one_line(r.stderr).startswith("tokpack: error: injected bug"), r.stderr
