@@ -46,6 +46,17 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     return out
 
 
+@pytest.fixture(autouse=True)
+def no_thread_of_an_earlier_test():
+    """Each test here counts read-ahead threads: none may be left from a test run before it in
+    this process. A loader another module's test left in a reference cycle (a `pytest.raises`
+    ExceptionInfo keeps the test's frame, and the loaders in it, alive) holds its thread parked
+    until the garbage collector frees the cycle, as test_no_thread_outlives_its_iteration proves
+    it then does: collected first. One left after that is a leak, and fails here."""
+    gc.collect()
+    assert threads_left() == []
+
+
 def threads_left(timeout_s: float = 5.0) -> list[threading.Thread]:
     """The read-ahead threads still alive after up to `timeout_s` (a thread's end is not instant)."""
     deadline = time.monotonic() + timeout_s
