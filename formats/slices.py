@@ -27,7 +27,7 @@ import xxhash
 
 from .constants import MANIFEST, RUN_KEYS, SLICE, SLICE_EPOCH
 from .names import epoch_dir_name
-from .packing import has_pad, rows_padded
+from .packing import HOLDOUT_SPLIT, PackingRecord, has_pad, holdout_recorded, rows_padded
 from .builders import header_like
 
 # Run-manifest fields that change as epochs are written: not part of the run's identity.
@@ -89,6 +89,58 @@ def epoch_disagreements(run: dict, e: int, em: dict) -> Iterator[tuple[str, obje
             source_keys(ours),
             source_keys(em["sources"]),
             "epoch was shuffled from other sources than its run",
+        )
+
+
+# The run's settings RUN/holdout/ records as the run does: not its size (`samples`), nor
+# `jitter` (the held-out split is cut without), nor the sources' weights (it holds every
+# held-out window once).
+HOLDOUT_KEYS = tuple(k for k in RUN_KEYS if k not in ("samples", "jitter"))
+
+
+def holdout_disagreements(run: dict, hm: dict) -> Iterator[tuple[str, object, object, str]]:
+    """Each way RUN/holdout/'s manifest `hm` says it is not its `run`'s held-out split (where,
+    expected, found, message): the settings both record (HOLDOUT_KEYS), the run's `--holdout`
+    and the split's mark, the packing's settings, the sources' fingerprints. The held-out
+    documents are chosen by the seed, the sources and --holdout alone, so a split of another
+    run (another seed or sources, copied in) is well formed and would pass as eval data the
+    run trained on."""
+    for key in HOLDOUT_KEYS:
+        if key in run and key in hm and hm[key] != run[key]:
+            yield key, f"{run[key]!r} (the run's)", repr(hm[key]), "held-out split belongs to another run"
+    held, split = holdout_recorded(hm)
+    home = "packing." if rows_padded(hm) else ""  # where holdout_recorded found it
+    if not split:
+        where = f"{home}split" if home else "holdout.split"
+        yield where, repr(HOLDOUT_SPLIT), "no such mark", "not a held-out split: an epoch put in RUN/holdout/"
+    ours = holdout_recorded(run)[0]
+    if held != ours:
+        yield f"{home}holdout", f"{ours!r} (the run's --holdout)", repr(held), "held-out split of another --holdout"
+    mine, theirs = PackingRecord.of(run), PackingRecord.of(hm)
+    if (mine is None) != (theirs is None):
+        method = ("windows (concat)", "packed rows")
+        yield (
+            "packing",
+            f"{method[mine is not None]} (the run's)",
+            method[theirs is not None],
+            ("held-out split packed otherwise than its run"),
+        )
+    elif mine is not None:
+        for key in ("method", "group_tokens", "pad_id"):
+            if getattr(mine, key) != getattr(theirs, key):
+                yield (
+                    f"packing.{key}",
+                    f"{getattr(mine, key)!r} (the run's)",
+                    repr(getattr(theirs, key)),
+                    ("held-out split packed otherwise than its run"),
+                )
+    ours_src = run.get("sources") if isinstance(run.get("sources"), list) else []
+    if source_keys(hm.get("sources") if isinstance(hm.get("sources"), list) else []) != source_keys(ours_src):
+        yield (
+            "sources",
+            source_keys(ours_src),
+            source_keys(hm.get("sources") or []),
+            "held-out split of other sources than its run",
         )
 
 

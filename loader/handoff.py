@@ -60,15 +60,24 @@ HANDOFF_PAUSE_S = 0.001
 def _views(buffer: torch.Tensor, layout: tuple) -> list[torch.Tensor]:
     """The fields of `layout` ((key, dtype, shape, offset), ...) as views of the uint8 `buffer`.
     A run of fields of one dtype and shape, back to back, is one view unbound into its fields: the
-    main process builds these on every batch, and a torch call costs more than its bytes here."""
-    out, i = [], 0
+    main process builds these on every batch, and a torch call costs more than its bytes here.
+
+    The fields of the first field's dtype view the buffer's storage; a field of another dtype
+    (int32 `cu_seqlens` beside int64 `input_ids`) views a storage of its own over its bytes (no
+    copy): torch.save refuses tensors that view one storage as two dtypes, so
+    `torch.save(dict(batch))` of a DataLoader worker's batch failed."""
+    out, i, raw = [], 0, None
     while i < len(layout):
         _, dtype, shape, offset = layout[i]
         n = math.prod(shape) * dtype.itemsize
         j = i + 1
         while j < len(layout) and layout[j][1:] == (dtype, shape, offset + (j - i) * n):
             j += 1
-        block = buffer[offset : offset + (j - i) * n].view(dtype)
+        if dtype == layout[0][1] or n == 0:
+            block = buffer[offset : offset + (j - i) * n].view(dtype)
+        else:
+            raw = memoryview(buffer.numpy()) if raw is None else raw
+            block = torch.frombuffer(raw, dtype=dtype, count=(j - i) * n // dtype.itemsize, offset=offset)
         out += [block.view(shape)] if j == i + 1 else block.view((j - i, *shape)).unbind(0)
         i = j
     return out
@@ -163,7 +172,7 @@ class Batch(dict):
             and tuple(t.shape) == shape
             and t.data_ptr() == base + offset
             and t.is_contiguous()
-            and t.untyped_storage().data_ptr() == base
+            and base <= t.untyped_storage().data_ptr() <= base + offset  # the buffer's, or its dtype's own (_views)
             for key, dtype, shape, offset in layout
         )
 

@@ -21,7 +21,7 @@ from tokpack.packer.shared import ExecutorConfig, PathLike, Result, as_paths, op
 from tokpack.shuffle.spec import DEFAULT_MEMORY
 from tokpack.formats import arguments
 from tokpack.formats.constants import DEFAULT_SHARD_TOKENS, INT_RANGE
-from tokpack.formats.errors import TokpackError, UsageError
+from tokpack.formats.errors import TokpackError, UsageError, one_line
 
 if TYPE_CHECKING:  # the stages build their results; importing them here would import their dependencies
     from tokpack.packer.inspection import InspectResult
@@ -229,6 +229,7 @@ def _checks(command: str):
         sig = _signature.signature(fn)
 
         @functools.wraps(fn)
+        @one_line
         def run(*args, **kwargs):
             return fn(**checked(command, sig, args, kwargs))
 
@@ -632,6 +633,7 @@ def inspect(
     return inspect_dir(**arguments)
 
 
+@one_line
 def plan(command: str, *args, **kwargs) -> PlanResult:
     """What `pack`, `shuffle` or `stage` (`command`) would do with these arguments (that function's,
     plus `disk_mbps`), writing nothing: tasks, files, bytes per pass, space, manifest sizes and a

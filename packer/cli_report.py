@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import errno
 import functools
 import json
 import os
@@ -16,7 +15,7 @@ import traceback
 
 import click
 
-from tokpack.formats.errors import OPEN_FILES_HINT, TokpackError, UsageError
+from tokpack.formats.errors import TokpackError, UsageError, os_failure, symlink_loop
 from tokpack.formats.io.progress_log import logging_every
 from tokpack.packer.cli_options import given_log_interval
 
@@ -80,20 +79,6 @@ def debug_on(debug: bool) -> None:
     _DEBUG = _DEBUG or debug
 
 
-# errno -> what the user can do about it
-_OS_HINTS = {
-    errno.ELOOP: "a symbolic link points (through others) back to itself: fix or remove the link",
-    errno.EROFS: "the filesystem is read-only: write to a writable directory",
-    errno.EACCES: "no permission to write there: choose a directory you may write, or fix its permissions",
-    errno.EPERM: "the operation is not permitted there (immutable file or directory?): choose another path",
-    errno.ENOSPC: "the disk is full: free some space, then rerun the same command to resume",
-    errno.EDQUOT: "the disk quota is exhausted: free some space, then rerun the same command to resume",
-    errno.ENOENT: "check the path",
-    errno.ENOTDIR: "a part of the path is a file, not a directory: check the path",
-    errno.EMFILE: OPEN_FILES_HINT,
-}
-
-
 def failure_json(error: dict, as_json: bool) -> None:
     """A failure's one JSON object on stdout under --json, unless a failure printed one already."""
     global _FAILED
@@ -124,14 +109,8 @@ def error_json(
 
 
 def _os_error_line(e: OSError) -> tuple[str, dict]:
-    where = e.filename
-    if getattr(e, "filename2", None):
-        where = f"{where} -> {e.filename2}"
-    name = errno.errorcode.get(e.errno, "") if e.errno else ""
-    message = f"{e.strerror or e}" + (f" ({name})" if name else "")
-    hint = _OS_HINTS.get(e.errno)
-    line = "tokpack: error: " + (f"{where}: " if where else "") + message + (f". HINT: {hint}" if hint else "")
-    return line, error_json(type(e).__name__, message, file=where, hint=hint)
+    err = os_failure(e)
+    return f"tokpack: error: {err}", err.to_json()
 
 
 def _crash_log(command: str, exc: BaseException) -> str:
@@ -216,9 +195,9 @@ def user_errors(fn):
         except OSError as e:  # the environment: a full disk, a read-only output, a symlink loop...
             _report(*_os_error_line(e), EXIT_DATA, as_json)
         except RuntimeError as e:
-            if not str(e).startswith("Symlink loop"):  # pathlib's resolve() before Python 3.13
+            loop = symlink_loop(e)
+            if loop is None:
                 internal_error(command, e, as_json)
-            loop = OSError(errno.ELOOP, os.strerror(errno.ELOOP), str(e).split("'")[1] if "'" in str(e) else None)
             _report(*_os_error_line(loop), EXIT_DATA, as_json)
         except (KeyboardInterrupt, Terminated) as e:
             kind, words, status = stopped(e)

@@ -18,9 +18,10 @@ from tokpack.formats.reading import partial_stage_absent
 from tokpack.formats.fields import type_ok
 from tokpack.formats.hashes import xxh3_128_file
 from tokpack.formats.numbering import EpochNumbering, shuffle_command
+from tokpack.formats.packing import run_holdout
 from tokpack.formats.shard_scan import Problem
 from tokpack.formats.shards import tokens_on_nodes
-from tokpack.formats.slices import epoch_disagreements
+from tokpack.formats.slices import epoch_disagreements, holdout_disagreements
 
 from .dir_checks import Dir, DirReport, check_row_hashes, plan_dir
 
@@ -165,7 +166,12 @@ def check_run(path: Path, m: dict, rep: DirReport, quick: bool, plan: list["Dir"
         rep.problems.append(Problem.from_error(err))
     else:
         if (held / MANIFEST).is_file():
-            plan.append(plan_dir(held, quick, kinds="epoch"))
+            d = plan_dir(held, quick, kinds="epoch")
+            plan.append(d)
+            hm = d.report.manifest
+            if hm is not None and hm.get("kind") == EPOCH:  # well formed, but this run's split?
+                for where, expected, got, message in holdout_disagreements(m, hm):
+                    d.report.add(held / MANIFEST, where, expected, got, message, hint=holdout_hint(m, path))
     # A `stage --ranks` copy: its absent shards are one problem, not one line per file.
     absent = partial_stage_absent(path)
     if absent:
@@ -230,6 +236,27 @@ def refuse_epoch_of_another_run(m: dict, run_dir: str, e: int, em: dict, efile: 
             found=got,
             hint=f"the epoch was written by another run or edited: run `tokpack validate {run_dir}`, then restore "
             f"the epoch, or remove its folder and rewrite it with `{shuffle_command(m, run_dir, e)}`",
+        )
+
+
+def holdout_hint(m: dict, run_dir) -> str:
+    """What to do about a RUN/holdout/ that is not the run's: a rerun writes a missing one."""
+    first = m["epochs"][0] if m.get("epochs") else 0
+    if run_holdout(m) is None:
+        return f"the run was made without --holdout: {Path(run_dir) / HOLDOUT_DIR} is another run's; remove it"
+    return (
+        f"{Path(run_dir) / HOLDOUT_DIR} was written by another run or edited: restore the run's own, or remove "
+        f"the folder and write it again with `{shuffle_command(m, run_dir, first)}`"
+    )
+
+
+def refuse_holdout_of_another_run(m: dict, run_dir: str, hm: dict, hfile: str) -> None:
+    """One line at the first way RUN/holdout/'s manifest `hm` disagrees with its run's `m`, as
+    validate finds it: a stage that copied another run's split beside the run's epochs would
+    hand eval documents the run trained on."""
+    for where, expected, got, message in holdout_disagreements(m, hm):
+        raise TokpackError(
+            message, file=hfile, where=where, expected=expected, found=got, hint=holdout_hint(m, run_dir)
         )
 
 

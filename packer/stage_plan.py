@@ -25,7 +25,7 @@ from tokpack.formats.shards import contained_shard, shard_files, tokens_on_nodes
 from tokpack.formats.token_check import ROWS, token_check
 from tokpack.formats.slices import RankRows
 from tokpack.formats.units import at_most, digits
-from tokpack.packer.run_checks import refuse_epoch_of_another_run
+from tokpack.packer.run_checks import refuse_epoch_of_another_run, refuse_holdout_of_another_run
 
 # Per-worker copy buffer. Large blocks keep a disk or an object store streaming; with a
 # handful of workers the memory stays at workers x STAGE_BLOCK.
@@ -564,6 +564,7 @@ def make_plan(src: Source, epochs=None, ranks=None, micro_batch: int = 1) -> tup
         # shuffle --holdout's held-out documents (an epoch directory the run never lists) come
         # with a copy of the run's epochs: eval reads them beside the training epochs
         held = src.manifest(HOLDOUT_DIR, kind=EPOCH)
+        refuse_holdout_of_another_run(root, src.path, held, src.at(join_rel(HOLDOUT_DIR, MANIFEST)))
         plans.append(DirPlan(HOLDOUT_DIR, held, *shard_jobs(held, HOLDOUT_DIR, root=src.root)))
     plans.append(DirPlan("", run))
     return kind, plans

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import random_docs, write_source
+from tokpack.formats.errors import TokpackError
 from tokpack.packer import ExecutorConfig, inspect, pack, shuffle, stage, validate
 from tokpack.packer.api import ShuffleResult
 from tokpack.packer.cli import main
@@ -290,3 +292,55 @@ def test_help_of_shuffle_is_the_functions():
 
     assert tokpack.shuffle.__doc__ == api.shuffle.__doc__
     assert "globally shuffled epochs" in pydoc.render_doc(tokpack.shuffle, renderer=pydoc.plaintext)
+
+
+def _under_file_size_limit(args: list[str], limit: int) -> subprocess.CompletedProcess:
+    """`python ARGS` run in a Python whose files cannot grow past `limit` bytes (RLIMIT_FSIZE, which
+    root obeys too; SIGXFSZ ignored, so a write fails with EFBIG as on a full disk)."""
+    import resource
+    import signal
+
+    def limited():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, preexec_fn=limited)
+
+
+def test_api_raises_the_clis_line_for_an_os_error_not_a_raw_one(tmp_path):
+    """A write the system refuses midway (here the file-size limit, as a full disk would) was a
+    raw OSError traceback from the Python API, with no file named, where the command printed one
+    line: the API raises the TokpackError of that same line (naming the file), the OSError its
+    cause, and the command's --json names the OSError as before."""
+    docs = random_docs(np.random.default_rng(3), 120, VOCAB, EOS, max_len=20)
+    src = write_source(tmp_path / "src", docs, vocab_size=VOCAB, docs_per_shard=1)  # small shards, a large manifest
+    limit = 8000
+    assert max(p.stat().st_size for p in src.iterdir() if p.name != "tokpack.json") < limit
+    assert (src / "tokpack.json").stat().st_size > limit
+    code = (
+        "import errno, json, tokpack\n"
+        "from tokpack.formats.errors import TokpackError\n"
+        "try:\n"
+        f"    tokpack.stage({str(src)!r}, {str(tmp_path / 'dest')!r})\n"
+        "except TokpackError as e:\n"
+        "    print(json.dumps([str(e), e.to_json(), type(e.__cause__).__name__, e.__cause__.errno == errno.EFBIG]))\n"
+    )
+    r = _under_file_size_limit(["-c", code], limit)
+    assert r.returncode == 0 and r.stdout, r.stderr  # a raw OSError: a traceback, exit 1, nothing printed
+    line, error, cause, efbig = json.loads(r.stdout)
+    assert cause == "OSError" and efbig and error["error"] == "OSError"
+    assert line.startswith(f"{tmp_path / 'dest' / 'tokpack.json'}: File too large (EFBIG). HINT: ")
+    # the command, into a fresh DEST of the same name: the same line, and its --json object
+    shutil.rmtree(tmp_path / "dest")
+    r = _under_file_size_limit(["-m", "tokpack", "stage", str(src), str(tmp_path / "dest"), "--json"], limit)
+    assert r.returncode == 1 and r.stderr.strip().splitlines()[-1] == f"tokpack: error: {line}", r.stderr
+    assert json.loads(r.stdout.strip().splitlines()[-1])["error"] == error
+
+
+def test_api_raises_one_line_for_a_symlink_loop(tmp_path):
+    """pathlib says a symlink loop as a RuntimeError (before Python 3.13): validate's raised it
+    raw; it is the ELOOP line the command prints."""
+    (tmp_path / "loop").symlink_to("loop")
+    with pytest.raises(TokpackError, match=r"loop: Too many levels of symbolic links \(ELOOP\)\. HINT: ") as e:
+        validate([tmp_path / "loop"])
+    assert isinstance(e.value.__cause__, (OSError, RuntimeError))

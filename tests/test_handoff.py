@@ -36,6 +36,19 @@ def storages(batch: dict) -> set[int]:
     return {t.untyped_storage().data_ptr() for t in batch.values()}
 
 
+def buffers(batch: dict) -> int:
+    """How many separate blocks of memory hold the batch's fields: a field that views a storage
+    of its own over a buffer's bytes (handoff._views: another dtype) counts with that buffer."""
+    spans = sorted((s.data_ptr(), s.data_ptr() + s.nbytes()) for s in (t.untyped_storage() for t in batch.values()))
+    ends = []
+    for start, end in spans:
+        if ends and start < ends[-1]:
+            ends[-1] = max(ends[-1], end)
+        else:
+            ends.append(end)
+    return len(ends)
+
+
 @pytest.mark.parametrize("kw", [{}, {"max_documents": 6}, {"positions": None}])
 def test_a_workers_batch_is_one_buffer_with_the_same_fields(run, kw):
     plain = list(TokpackDataset(run, micro_batch=M, at_end="stop", **kw))
@@ -46,7 +59,24 @@ def test_a_workers_batch_is_one_buffer_with_the_same_fields(run, kw):
         assert isinstance(b, dict) and list(a) == list(b)
         for key in a:
             assert a[key].dtype == b[key].dtype and a[key].shape == b[key].shape and torch.equal(a[key], b[key]), key
-        assert len(storages(b)) == 1  # every field a view of the one buffer that crossed
+        assert buffers(b) == 1  # every field a view of the one buffer that crossed
+
+
+@pytest.mark.parametrize("kw", [{}, {"max_documents": 6}])
+def test_a_workers_batch_saves_with_torch_save(run, kw, tmp_path):
+    """A user saves a batch to debug a loss spike: `torch.save(dict(batch))` of a DataLoader
+    worker's batch raised "Cannot save multiple tensors or storages that view the same data as
+    different types" (its int64 and int32 fields viewed one buffer's storage); it saves, and
+    loads (weights_only, torch's default) as the same fields."""
+    loader = StatefulDataLoader(TokpackDataset(run, micro_batch=M, at_end="stop", **kw), batch_size=None, num_workers=2)
+    for k, batch in enumerate(loader):
+        assert {t.dtype for t in batch.values()} == {torch.int64, torch.int32}  # both dtypes, in one buffer
+        torch.save(dict(batch), tmp_path / f"{k}.pt")
+        saved = torch.load(tmp_path / f"{k}.pt", weights_only=True)
+        assert list(saved) == list(batch) and all(torch.equal(saved[key], batch[key]) for key in batch)
+        assert all(saved[key].dtype == batch[key].dtype for key in batch)
+        if k == 2:
+            break
 
 
 def test_a_batch_pickles_as_one_tensor_until_a_field_changes():
@@ -62,7 +92,7 @@ def test_a_batch_pickles_as_one_tensor_until_a_field_changes():
     assert len(names) == 1 and f"{SHM_DIR}/{names[0]}".encode() in sent
     again = pickle.loads(sent)
     assert not os.path.exists(f"{SHM_DIR}/{names[0]}")  # the receiver removed the name
-    assert type(again) is Batch and list(again) == list(arrays) and len(storages(again)) == 1
+    assert type(again) is Batch and list(again) == list(arrays) and buffers(again) == 1
     for key, value in arrays.items():
         assert np.array_equal(again[key].numpy(), value) and again[key].numpy().dtype == value.dtype
     assert again["input_ids"].untyped_storage().is_shared()  # torch's shared memory: it crosses on as any tensor
@@ -71,7 +101,7 @@ def test_a_batch_pickles_as_one_tensor_until_a_field_changes():
     rebuild, (buffer, layout) = batch.__reduce__()  # the name went once: now the buffer itself
     assert isinstance(buffer, torch.Tensor) and buffer.untyped_storage().is_shared()
     twice = pickle.loads(pickle.dumps(again))
-    assert all(torch.equal(twice[k], again[k]) for k in again) and len(storages(twice)) == 1
+    assert all(torch.equal(twice[k], again[k]) for k in again) and buffers(twice) == 1
     batch["input_ids"] = batch["input_ids"] + 1  # a collate_fn's change: pickled as it now is
     changed = pickle.loads(pickle.dumps(batch))
     assert np.array_equal(changed["input_ids"].numpy()[0, 1:], arrays["input_ids"][0, 1:] + 1)
@@ -146,11 +176,11 @@ def test_an_empty_batch_holds_its_fields_written_through_its_arrays(shared):
     assert batch["a"].tolist() == [[0, 1, 2], [3, 4, 5]] and batch["b"].tolist() == [10, 11, 12]
     assert int(batch["c"]) == 20
     assert [t.data_ptr() for t in batch.values()] == [a.ctypes.data for a in out]  # the tensors are the arrays
-    assert len(storages(batch)) == (1 if shared else 3)
+    assert (buffers(batch), len(storages(batch))) == ((1, 2) if shared else (3, 3))  # int32 'b': its own storage
     if shared:
         assert batch["a"].untyped_storage().is_shared()
         again = pickle.loads(pickle.dumps(batch))
-        assert all(torch.equal(again[k], batch[k]) for k in batch) and len(storages(again)) == 1
+        assert all(torch.equal(again[k], batch[k]) for k in batch) and buffers(again) == 1
 
 
 def test_without_workers_the_loader_never_pauses(run, monkeypatch):

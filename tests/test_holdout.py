@@ -825,3 +825,57 @@ def test_read_names_the_held_out_split_not_epoch_0(corpus, tmp_path, packing):
     assert code == 0 and "split" not in json.loads(out) and json.loads(out)["epoch"] == 0, out
     code, out, err = cli("read", run, "--count", 1)
     assert code == 0 and out.startswith("epoch 0 sample 0 rank 0: ["), out
+
+
+def _with_holdout_of(run: Path, other: Path, into: Path) -> Path:
+    """`run` copied to `into`, its holdout/ replaced by `other`'s (or added, when it had none)."""
+    import shutil
+
+    shutil.copytree(run, into)
+    shutil.rmtree(into / "holdout", ignore_errors=True)
+    shutil.copytree(other / "holdout", into / "holdout")
+    return into
+
+
+@pytest.mark.parametrize(
+    "ours, theirs, where",
+    [
+        (["--seed", 4], ["--seed", 5], "[seed]"),  # another seed: other documents held out
+        (["--seed", 4], ["--seed", 4, "--holdout", "20%"], "[holdout]"),
+        (
+            ["--seed", 4, "--packing", "best-fit"],
+            ["--seed", 4, "--packing", "best-fit", "--pad-id", 3],
+            "[packing.pad_id]",
+        ),
+        (["--seed", 4, "--holdout", None], ["--seed", 4], "[holdout]"),  # a run without one: a stray split
+    ],
+)
+def test_validate_and_stage_refuse_a_holdout_of_another_run(corpus, tmp_path, ours, theirs, where):
+    """RUN/holdout/ copied in from another run is well formed, so it passed validate (and was
+    staged beside the run's epochs) though its documents are not the ones this run held out:
+    eval on it measures documents the run trained on. Validate names the field, stage refuses
+    before writing, the run's own split still passes."""
+    root, _ = corpus
+
+    def shuffle(args, out):
+        opts = {"--holdout": "10%", **dict(zip(args[::2], args[1::2]))}
+        flat = [str(x) for k, v in opts.items() if v is not None for x in (k, v)]
+        code, _, err = cli("shuffle", root / "web", "-o", out, "--seq-len", SEQ, "--samples", 100, "--epochs", 1, *flat)
+        assert code == 0, err
+        return out
+
+    run, other = shuffle(ours, tmp_path / "ours"), shuffle(theirs, tmp_path / "theirs")
+    if (run / "holdout").exists():
+        code, out, err = cli("validate", run)
+        assert code == 0, out + err
+    mixed = _with_holdout_of(run, other, tmp_path / "mixed")
+    code, out, err = cli("validate", mixed)
+    lines = [ln for ln in (out + err).splitlines() if ln.startswith("CORRUPT /")]
+    assert code == 1 and len(lines) == 1, out + err
+    assert f"{mixed / 'holdout' / 'tokpack.json'} {where}" in lines[0] and "HINT:" in lines[0]
+    fix = f"tokpack shuffle --like {mixed} --epoch 0" if (run / "holdout").exists() else "without --holdout"
+    assert fix in lines[0]
+    if (run / "holdout").exists():  # stage copies the split only of a run that records one
+        code, out, err = cli("stage", mixed, tmp_path / "staged")
+        assert code == 1 and where in err and len(err.strip().splitlines()) == 1, err
+        assert not (tmp_path / "staged").exists()

@@ -1214,3 +1214,33 @@ def test_a_missing_document_index_is_one_line(sources, tmp_path):
     )
     assert res.exit_code == 1 and "document index is missing" in res.output and "00000.ds.index" in res.output
     assert "Traceback" not in res.output and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("command", [["shuffle"], ["plan", "shuffle"]])
+def test_a_pad_id_outside_the_vocabulary_is_refused(sources, tmp_path, command):
+    """A pad id the model's embedding cannot index (>= vocab_size, 1000 here) would crash
+    training hours in, at the first padded row: refused in one line before anything is
+    written, naming --pad-id, the vocabulary's range and the id; the API alike. The last id
+    of the vocabulary is taken."""
+    import tokpack
+
+    args = [*command, *map(str, sources), "-o", str(tmp_path / "w"), "--seq-len", "63", "--seed", "3"]
+    args += ["--epochs", "1", "--packing", "best-fit", "--pad-id"]
+    res = CliRunner().invoke(main, [*args, "1000"])
+    lines = res.stderr.strip().splitlines()
+    assert res.exit_code == 1 and len(lines) == 1 and "Traceback" not in res.output, res.output
+    assert "[--pad-id]" in lines[0] and "expected 0..999, found 1000" in lines[0] and "HINT:" in lines[0]
+    assert not (tmp_path / "w").exists()
+    with pytest.raises(TokpackError, match=r"\[--pad-id\].*expected 0\.\.999, found 1000"):
+        tokpack.shuffle(
+            [str(s) for s in sources],
+            str(tmp_path / "a"),
+            seq_len=63,
+            seed=3,
+            epochs=1,
+            packing="best-fit",
+            pad_id=1000,
+        )
+    assert not (tmp_path / "a").exists()
+    res = CliRunner().invoke(main, [*args, "999"])
+    assert res.exit_code == 0, res.output

@@ -119,8 +119,13 @@ def commit_file(tmp: str | Path, final: str | Path, fsync: bool = False) -> None
 
 def write_bytes_atomic(path: str | Path, data: bytes, fsync: bool = False) -> None:
     tmp = tmp_path(path)
-    with open(tmp, "wb") as f:
-        f.write(data)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+    except OSError as e:
+        if e.filename is None:  # a write's error (a full disk...) names no file: its line must say which
+            raise OSError(e.errno, e.strerror, str(path)) from e
+        raise
     commit_file(tmp, path, fsync=fsync)
 
 
