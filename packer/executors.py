@@ -29,7 +29,7 @@ import xxhash
 from loguru import logger
 
 from tokpack.formats.errors import TokpackError, task_failed
-from tokpack.formats.guard import OutputLock, holder_name
+from tokpack.formats.guard import OutputLock, holder_name, lock_holder
 from tokpack.formats.io.writes import Outbox
 from tokpack.formats.io.paths import RemotePath, is_url, local_path
 from tokpack.formats.io.gate import open_new
@@ -597,6 +597,24 @@ def _download(remote, target: Path) -> None:
         shutil.copyfileobj(src, out, 1 << 22)
 
 
+DOWNLOADS_PREFIX = "tokpack-stage-"  # SCRATCH/tokpack-stage-RANDOM: one command's copy of its URL sources
+
+
+def sweep_killed_downloads(scratch: str) -> None:
+    """Removes the download folders under `scratch` of commands on this host that are gone (their
+    lock's holder dead: killed before their own cleanup); each rerun of a killed command made a
+    new one, a full copy of its sources. A live holder's folder, one on another host (it cannot
+    be checked from here) and one with no lock (not made by this version) are left alone."""
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(scratch):
+            if not entry.name.startswith(DOWNLOADS_PREFIX) or not entry.is_dir(follow_symlinks=False):
+                continue
+            holder = lock_holder(entry.path)
+            if holder is not None and not holder[1]:
+                print(f"tokpack: removing {entry.path}, the downloads of a command that is gone", file=sys.stderr)
+                shutil.rmtree(entry.path, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def local_paths(
     inputs: list[str], output: str, scratch=None, config: ExecutorConfig | None = None, command: str = "shuffle"
@@ -615,7 +633,11 @@ def local_paths(
         with contextlib.ExitStack() as held:
             if any(local_path(p) is None for p in inputs):
                 os.makedirs(scratch, exist_ok=True)  # as the output's folder under it is made
-                downloads = tempfile.mkdtemp(prefix="tokpack-stage-", dir=scratch)
+                sweep_killed_downloads(scratch)
+                downloads = tempfile.mkdtemp(prefix=DOWNLOADS_PREFIX, dir=scratch)
+                # its holder named in it: a command killed before its `finally` (SIGKILL, OOM) leaves
+                # a whole copy of its sources, which the next command under this scratch removes
+                held.enter_context(OutputLock(downloads, holder_name(command)))
             local_inputs = [local_path(p) or stage_in(p, downloads) for p in inputs]
             # an error names a downloaded source, or the output's local folder, by the URL given
             urls = {here: p for here, p in zip(local_inputs, inputs) if local_path(p) is None}

@@ -403,6 +403,48 @@ def test_a_scratch_folder_not_made_yet_is_made_for_url_sources_too(bucket_run, t
     assert scratch.is_dir() and not any(scratch.iterdir())
 
 
+_KILLED_HOLDER = """
+import os, sys
+from tokpack.formats.guard import OutputLock
+OutputLock(sys.argv[1], "tokpack shuffle s3://b/src -o run").acquire()
+os._exit(0)  # as a SIGKILL: no release, no cleanup
+"""
+
+
+def test_the_downloads_a_killed_command_left_are_removed_by_the_next(bucket_run, tmp_path, capfd, monkeypatch):
+    """A shuffle of a URL source killed before its cleanup (SIGKILL, the OOM killer) left
+    SCRATCH/tokpack-stage-RANDOM, a whole copy of its sources, and each rerun made another. The
+    next command under that scratch now removes the folders whose holder on this host is gone,
+    and only those: a live command's, one with no lock, and its own (until it ends) stay."""
+    from tokpack.formats.guard import OutputLock, lock_holder
+    from tokpack.packer import executors
+
+    holders, stage_in = [], executors.stage_in
+
+    def downloading(url, workdir):  # what a SIGKILL here would leave: a folder naming its live holder
+        holders.append(lock_holder(workdir))
+        return stage_in(url, workdir)
+
+    monkeypatch.setattr(executors, "stage_in", downloading)
+    fs, bucket, run = bucket_run
+    upload(fs, tmp_path / "src", f"s3://{bucket}/src")
+    scratch = tmp_path / "scratch"
+    killed, live, unlocked = (scratch / f"tokpack-stage-{name}" for name in ("killed", "live", "unlocked"))
+    for folder in (killed, live, unlocked):
+        (folder / "in-x").mkdir(parents=True)
+        (folder / "in-x" / "00000.ds").write_bytes(b"a copy of a source shard")
+    subprocess.run([sys.executable, "-c", _KILLED_HOLDER, str(killed)], check=True)
+    assert (killed / "tokpack.lock").is_file()
+    with OutputLock(live, "tokpack shuffle s3://b/other -o elsewhere"):  # a command that runs
+        shuffle(
+            f"s3://{bucket}/src", tmp_path / "out", seq_len=63, seed=2, epochs=2, shard_samples=150, scratch=scratch
+        )
+        assert sorted(p.name for p in scratch.iterdir()) == [live.name, unlocked.name]
+    assert holders and all(h is not None and h[1] and h[0]["pid"] == os.getpid() for h in holders), holders
+    assert without_paths(tree(tmp_path / "out")) == without_paths(tree(run))
+    assert f"tokpack: removing {killed}, the downloads of a command that is gone" in capfd.readouterr().err
+
+
 _WITHOUT_S3FS = """
 import sys
 sys.modules["s3fs"] = None  # as on a machine without tokpack's [s3] extra
