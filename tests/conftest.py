@@ -71,6 +71,19 @@ def start_job(cmd: list[str], env: dict, ready, what: str, seconds: float = 60) 
     pytest.fail(f"{what}: the job ended (exit {job.returncode}) or was not ready in {seconds} s: {err[-3000:]}")
 
 
+def wait_until(condition, what: str, seconds: float = 60):
+    """Polls `condition` until it returns something true, and returns that: a test waits for
+    what it relies on (a thread's item, a line written), never a fixed sleep, which a loaded
+    machine (CI: the whole suite on two shared cores) can outlast. `seconds` bounds a hang, not
+    a timing; past it the test fails naming `what`."""
+    deadline = time.monotonic() + seconds
+    while not (got := condition()):
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what}: not within {seconds} s")
+        time.sleep(0.005)
+    return got
+
+
 REPO = Path(__file__).resolve().parents[1]
 # Folders a checkout may hold that are not the project's: a virtual environment made in the clone
 # (`python -m venv .venv`, the common habit, whose site-packages hold other projects' code in
