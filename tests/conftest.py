@@ -334,16 +334,19 @@ def start_s3_server(**env) -> tuple:
         env={**os.environ, **env},
     )
     url = f"http://127.0.0.1:{port}"
-    for _ in range(300):
+    # moto's imports take seconds, many more on a loaded machine (CI: the whole suite on two
+    # shared cores): a bound on a hang, returned from as soon as it answers
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
         try:
-            urllib.request.urlopen(url + "/moto-api/", timeout=1)
+            urllib.request.urlopen(url + "/moto-api/", timeout=5)
             return proc, url
         except OSError:
             if proc.poll() is not None:
                 raise RuntimeError(f"moto server exited with {proc.returncode}")
             time.sleep(0.05)
     proc.kill()
-    raise RuntimeError("moto server did not answer within 15 s")
+    raise RuntimeError("moto server did not answer within 120 s")
 
 
 S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
@@ -368,7 +371,7 @@ def s3_endpoint():
             else:
                 os.environ[k] = v
         proc.terminate()
-        proc.wait(10)
+        proc.wait(60)  # a bound on a hang: a loaded machine may take seconds
 
 
 @pytest.fixture
