@@ -131,7 +131,10 @@ class OnSigterm:
             # SIGKILLs 0.25 s after its SIGTERM; with every thread blocking the signal, as where
             # no BLAS pool runs, 3 nodes of 4 said nothing, 3 runs of 3 on a loaded machine)
             info = signal.sigtimedwait({signal.SIGTERM}, self.POLL)
-            if info is not None:
+            # A wait interrupted (the process stopped and continued: Ctrl-Z then fg, a scheduler's
+            # suspend) past its timeout returns a struct never written, not None (CPython 3.11):
+            # only a siginfo naming SIGTERM is one.
+            if info is not None and info.si_signo == signal.SIGTERM:
                 return info.si_pid
             if select.select([r], [], [], 0)[0]:
                 with suppress(BlockingIOError):

@@ -71,6 +71,19 @@ def start_job(cmd: list[str], env: dict, ready, what: str, seconds: float = 60) 
     pytest.fail(f"{what}: the job ended (exit {job.returncode}) or was not ready in {seconds} s: {err[-3000:]}")
 
 
+def wait_until(condition, what: str, seconds: float = 60):
+    """Polls `condition` until it returns something true, and returns that: a test waits for
+    what it relies on (a thread's item, a line written), never a fixed sleep, which a loaded
+    machine (CI: the whole suite on two shared cores) can outlast. `seconds` bounds a hang, not
+    a timing; past it the test fails naming `what`."""
+    deadline = time.monotonic() + seconds
+    while not (got := condition()):
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what}: not within {seconds} s")
+        time.sleep(0.005)
+    return got
+
+
 REPO = Path(__file__).resolve().parents[1]
 # Folders a checkout may hold that are not the project's: a virtual environment made in the clone
 # (`python -m venv .venv`, the common habit, whose site-packages hold other projects' code in
@@ -321,16 +334,19 @@ def start_s3_server(**env) -> tuple:
         env={**os.environ, **env},
     )
     url = f"http://127.0.0.1:{port}"
-    for _ in range(300):
+    # moto's imports take seconds, many more on a loaded machine (CI: the whole suite on two
+    # shared cores): a bound on a hang, returned from as soon as it answers
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
         try:
-            urllib.request.urlopen(url + "/moto-api/", timeout=1)
+            urllib.request.urlopen(url + "/moto-api/", timeout=5)
             return proc, url
         except OSError:
             if proc.poll() is not None:
                 raise RuntimeError(f"moto server exited with {proc.returncode}")
             time.sleep(0.05)
     proc.kill()
-    raise RuntimeError("moto server did not answer within 15 s")
+    raise RuntimeError("moto server did not answer within 120 s")
 
 
 S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
@@ -355,7 +371,7 @@ def s3_endpoint():
             else:
                 os.environ[k] = v
         proc.terminate()
-        proc.wait(10)
+        proc.wait(60)  # a bound on a hang: a loaded machine may take seconds
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from conftest import random_docs, shuffle_run, write_source
+from conftest import random_docs, shuffle_run, wait_until, write_source
 from torch.utils.data import default_convert
 
 from tokpack.loader.handoff import PREFIX, SHM_DIR
@@ -119,8 +119,11 @@ def test_batches_in_flight_when_a_loader_stops_leave_nothing_in_shared_memory(ru
     def left():
         return [f for f in os.listdir(SHM_DIR) if any(f.startswith(f"{PREFIX}{pid}-") for pid in pids)]
 
-    time.sleep(0.5)
-    assert left()  # the batches asked for ahead, made and sent, not yet taken
+    # the batches asked for ahead, made and sent, not yet taken: waited for (a loaded machine may take
+    # a while), then a little longer for the other worker's
+    wait_until(left, "a batch made ahead in /dev/shm")
+    time.sleep(0.2)
+    assert left()
     it._shutdown_workers()
     del it, loader
     assert left() == []
@@ -203,8 +206,14 @@ from tokpack.loader.torch_adapter import TokpackDataset
 loader = StatefulDataLoader(TokpackDataset(sys.argv[1], micro_batch=2, at_end="stop"), batch_size=None, num_workers=2)
 it = iter(loader)
 got = [next(it) for _ in range(3)]
-time.sleep(0.5)
-print(" ".join(str(w.pid) for w in it._workers))
+pids = [w.pid for w in it._workers]
+deadline = time.monotonic() + 60  # batches in flight at the exit: waited for (a loaded machine may take a while)
+while not (made := [f for f in os.listdir(sys.argv[2]) if f.startswith(tuple(f"{sys.argv[3]}{p}-" for p in pids))]):
+    if time.monotonic() > deadline:
+        break
+    time.sleep(0.005)
+time.sleep(0.2)  # the other worker's too
+print(len(made), *pids)
 """
 
 
@@ -215,14 +224,14 @@ def test_a_training_process_that_exits_with_a_loader_running_leaves_nothing_in_s
     import sys
 
     out = subprocess.run(
-        [sys.executable, "-c", EXIT_WITH_A_LOADER_RUNNING, str(run)],
+        [sys.executable, "-c", EXIT_WITH_A_LOADER_RUNNING, str(run), SHM_DIR, PREFIX],
         capture_output=True,
         text=True,
         check=True,
         env={**os.environ, "PYTHONWARNINGS": "ignore"},
     )
-    pids = out.stdout.split()
-    assert len(pids) == 2, out
+    made, *pids = out.stdout.split()
+    assert len(pids) == 2 and int(made) > 0, out  # batches were in flight as it exited
     assert [f for f in os.listdir(SHM_DIR) if f.startswith(tuple(f"{PREFIX}{p}-" for p in pids))] == []
     assert "Exception ignored" not in out.stderr and "Traceback" not in out.stderr, out.stderr
 

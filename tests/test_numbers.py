@@ -6,12 +6,15 @@ a traceback; the progress-line thread survives an interval and a line it cannot 
 
 from __future__ import annotations
 
+import io
+import sys
 import threading
 import time
 
 import click
 import pytest
 
+from conftest import wait_until
 from tokpack.formats import units
 from tokpack.formats.errors import TokpackError
 from tokpack.formats.io import progress_log
@@ -186,20 +189,26 @@ def test_the_progress_thread_survives_an_interval_it_cannot_wait(thread_failures
     assert "Traceback" not in capsys.readouterr().err
 
 
-def test_the_progress_thread_survives_a_line_it_cannot_make(thread_failures, capsys):
+def test_the_progress_thread_survives_a_line_it_cannot_make(thread_failures, monkeypatch):
+    """Each step waits for what it relies on (a line tried, a line written), not a fixed time: a
+    loaded machine may not run the writer thread for a while."""
+    failed = []
+
     class Broken(progress_log._LogBar):
         def line(self, now=None):
+            failed.append(1)
             raise ValueError("a bar whose line fails")
 
+    # read while the writer writes: a StringIO's getvalue never drops a line (capsys's read would)
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
     broken = Broken(100, "broken", "B", 0.05)
-    time.sleep(0.2)
+    wait_until(lambda: len(failed) > 1, "the writer tried the broken bar's line twice")
     good = progress_log._LogBar(100, "good", "B", 0.05)
     broken.update(100)  # finished: the good bar is shown next
-    time.sleep(0.3)
+    wait_until(lambda: " tokpack: good: " in sys.stderr.getvalue(), "the good bar's line")
     good.close()
     broken.close()
-    time.sleep(0.1)
-    err = capsys.readouterr().err
+    err = sys.stderr.getvalue()
     assert thread_failures == [] and "Traceback" not in err
     assert " tokpack: good: " in err  # the writer lived on after the failing lines
 

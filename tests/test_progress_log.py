@@ -10,13 +10,15 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
+from io import StringIO
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import random_docs, write_source
+from conftest import random_docs, wait_until, write_source
 from tokpack.formats.io import progress_log as io  # the progress module: its bars and log lines
 from tokpack.formats.errors import TokpackError
 
@@ -209,40 +211,57 @@ def test_a_line_says_what_done_total_rate_and_eta(monkeypatch):
     big.close()
 
 
-def test_one_line_per_interval_for_the_outermost_step_still_running(capsys):
+def _lines_of(what: str) -> int:
+    """The progress lines written so far (to the StringIO the test put in stderr) naming `what`."""
+    return sum(f" tokpack: {what}: " in line for line in sys.stderr.getvalue().splitlines())
+
+
+def _writer_gone() -> bool:
+    return not any(t.name == "tokpack-progress-lines" for t in threading.enumerate())
+
+
+def test_one_line_per_interval_for_the_outermost_step_still_running(monkeypatch):
     """pack's bar over all its files, not the file's; a finished pass's bar that stays open gives
-    way to the next pass's."""
+    way to the next pass's. Each step waits for the lines it relies on, not a fixed time: a loaded
+    machine may not run the writer thread for a while."""
+    # a writer left by an earlier test's bar (dropped unclosed: it ends at its next line) has its own interval
+    wait_until(lambda: io._LOG_LINES.stop is None and _writer_gone(), "an earlier test's writer to end")
+    monkeypatch.setattr(sys, "stderr", StringIO())  # read while the writer writes (capsys's read could drop a line)
+    started = time.monotonic()
     outer = io._LogBar(100, "pack: 2 file(s)", "B", 0.05)
     inner = io._LogBar(50, "pack a.jsonl", "B", 0.05)
-    time.sleep(0.3)
+    wait_until(lambda: _lines_of("pack: 2 file(s)") >= 3, "3 lines of the outer bar")
     outer.update(100)  # done: the next line is the inner bar's
-    time.sleep(0.3)
+    wait_until(lambda: _lines_of("pack a.jsonl") >= 3, "3 lines of the inner bar")
     inner.close()
     outer.close()
-    time.sleep(0.1)
-    lines = capsys.readouterr().err.splitlines()
+    wait_until(_writer_gone, "the writer thread's end once every bar is closed")
+    took = time.monotonic() - started
+    lines = sys.stderr.getvalue().splitlines()
     whats = [LINE.match(line)["what"] for line in lines]
     cut = whats.index("pack a.jsonl")
     assert set(whats[:cut]) == {"pack: 2 file(s)"} and set(whats[cut:]) == {"pack a.jsonl"}
-    assert 6 <= len(lines) <= 13, lines  # 0.6 s at 0.05 s: one writer, not one per bar
+    # one writer, not one per bar: a line every 0.05 s at most, however long the machine took
+    assert 6 <= len(lines) <= took / 0.05 + 1, (lines, took)
     time.sleep(0.2)
-    assert capsys.readouterr().err == ""  # no line once every bar is closed
+    assert sys.stderr.getvalue().splitlines() == lines  # no line once every bar is closed
 
 
-def test_a_bar_dropped_without_closing_writes_no_more_lines(capsys):
+def test_a_bar_dropped_without_closing_writes_no_more_lines(monkeypatch):
     """As a tqdm bar closes when collected: a step that opened a bar and was dropped (a test that
     ran a step alone, a failed pass) leaves no writer printing its last state forever."""
     import gc
 
+    monkeypatch.setattr(sys, "stderr", StringIO())
     bar = io._LogBar(100, "epoch 0: scatter", "B", 0.05)
-    time.sleep(0.2)
-    assert capsys.readouterr().err
+    wait_until(lambda: _lines_of("epoch 0: scatter"), "a line of the open bar")
     del bar
     gc.collect()
-    time.sleep(0.2)
-    capsys.readouterr()
+    # the writer sees the bar gone at its next line (it may be writing one now) and ends
+    wait_until(lambda: io._LOG_LINES.stop is None and _writer_gone(), "the writer's end once the bar was dropped")
+    written = sys.stderr.getvalue()
     time.sleep(0.3)
-    assert capsys.readouterr().err == "" and io._LOG_LINES.stop is None
+    assert sys.stderr.getvalue() == written and io._LOG_LINES.stop is None
 
 
 def test_log_interval_reads_the_environment(monkeypatch):

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from conftest import random_docs, shuffle_run, write_source
+from conftest import random_docs, shuffle_run, wait_until, write_source
 from tokpack.formats.errors import TokpackError
 from tokpack.loader.read_ahead import ReadAhead
 from tokpack.loader.torch_adapter import TokpackDataset
@@ -57,8 +57,9 @@ def no_thread_of_an_earlier_test():
     assert threads_left() == []
 
 
-def threads_left(timeout_s: float = 5.0) -> list[threading.Thread]:
-    """The read-ahead threads still alive after up to `timeout_s` (a thread's end is not instant)."""
+def threads_left(timeout_s: float = 60.0) -> list[threading.Thread]:
+    """The read-ahead threads still alive after up to `timeout_s` (a thread's end is not instant,
+    and on a loaded machine not quick either: this returns as soon as none is left)."""
     deadline = time.monotonic() + timeout_s
     while True:
         left = [t for t in threading.enumerate() if t.name.startswith(THREAD)]
@@ -97,9 +98,7 @@ def test_read_ahead_makes_one_batch_ahead_and_no_more(runs):
     it = iter(ds)
     next(it)
     for k in range(1, 4):
-        deadline = time.monotonic() + 10
-        while ds._stream.last_step < k and time.monotonic() < deadline:  # a busy machine: give it time
-            time.sleep(0.01)
+        wait_until(lambda: ds._stream.last_step >= k, f"the thread made batch {k}")  # a busy machine: give it time
         assert ds._stream.last_step == k, "the thread made the next batch"
         time.sleep(0.2)  # far longer than a batch takes: a thread not bounded would run on
         assert ds._stream.last_step == k, "and only that one"
@@ -120,7 +119,9 @@ def test_a_state_saved_with_read_ahead_resumes_to_the_bit(runs, kind, kw, taken)
     ref_it, it = iter(reference), iter(ahead)
     for _ in range(taken):
         assert same(next(ref_it), next(it))
-    time.sleep(0.1)  # the thread has made its batch ahead by now
+    if 0 < taken < STEPS:  # the thread has made its batch ahead (none before the first, none past the last)
+        made = ahead.dataset  # the loader's dataset, iterated in this process (no workers)
+        wait_until(lambda: made._stream.last_step == taken, f"the thread made batch {taken}")
     state = ahead.state_dict()
     assert state == reference.state_dict()
     assert TokpackDataset.consumed_samples(state) == taken * M
@@ -140,14 +141,15 @@ def test_a_dataset_state_follows_the_batches_handed_out(runs):
     it = iter(ds)
     for k in range(1, 4):
         batch = next(it)
-        time.sleep(0.05)
+        # the thread has made the batch after it: the state must not follow that one
+        wait_until(lambda: ds._stream.last_step >= k, f"the thread made batch {k}")
         assert ds.state_dict()["consumed_samples"] == k * M == int(batch["consumed_samples"])
     del it
     assert threads_left() == []
 
 
 def test_no_thread_outlives_its_iteration(runs):
-    before = threading.active_count()
+    before = set(threading.enumerate())  # a thread of an earlier test (a progress writer) may end meanwhile
     # exhausted
     assert len(list(loader(runs["window"], True))) == STEPS
     assert threads_left() == []
@@ -171,7 +173,7 @@ def test_no_thread_outlives_its_iteration(runs):
     del it, ldr, cycle
     gc.collect()
     assert threads_left() == []
-    assert threading.active_count() == before
+    assert set(threading.enumerate()) <= before  # none new
 
 
 def test_an_error_comes_where_its_batch_would_have(runs):
@@ -203,7 +205,8 @@ def test_read_ahead_thread_is_bounded_and_stops_on_close():
 
     ra = ReadAhead(items())
     assert next(ra) == 0
-    time.sleep(0.1)
+    wait_until(lambda: len(made) > 1, "the thread made item 1")  # a loaded machine may take a while
+    time.sleep(0.1)  # a thread not bounded would run on meanwhile
     assert made == [0, 1]  # one ahead of the consumer
     ra.close()
     assert not ra.alive and made == [0, 1]

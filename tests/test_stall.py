@@ -130,13 +130,19 @@ def test_the_stall_timeout_is_refused_without_to_nodes_and_when_not_a_positive_n
 
 
 WAITER = """
-import sys, time
+import os, sys, time
 from mpi4py import MPI
 from tokpack.packer.transport import together
 comm = MPI.COMM_WORLD
 if comm.Get_rank() == 1:
+    # node 0 is at `together` (its file): where it is, known, not guessed from the time its imports
+    # took, which on a loaded machine may be seconds more than node 1's
+    while not os.path.exists(sys.argv[1]):
+        time.sleep(0.01)
     time.sleep(2)  # working (reading, writing): not in MPI
 t, cpu = time.monotonic(), time.process_time()
+if comm.Get_rank() == 0:
+    open(sys.argv[1], "w").close()
 together(comm, lambda: None)  # every step the nodes take together ends this way
 if comm.Get_rank() == 0:
     print(f"{time.monotonic() - t:.3f} {time.process_time() - cpu:.3f}", flush=True)
@@ -151,7 +157,7 @@ def test_a_process_waiting_for_a_peer_does_not_burn_a_core(tmp_path):
     script.write_text(WAITER)
     env = dict(os.environ, PYTHONPATH=str(REPO), OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     done = subprocess.run(
-        [mpirun(), "--oversubscribe", "-n", "2", sys.executable, str(script)],
+        [mpirun(), "--oversubscribe", "-n", "2", sys.executable, str(script), str(tmp_path / "node0-waits")],
         capture_output=True,
         text=True,
         env=env,
