@@ -355,6 +355,7 @@ READING_METHODS = {"read_bytes", "read_text", "open"}
 # What may open a file outside the gate, each with why it is not a dataset file (or is gated already).
 GATE_ALLOWED = {
     ("packer/cli_report.py", "open"): "the CLI's crash log in $TOKPACK_LOG_DIR, written by tokpack for the user",
+    ("packer/cli_report.py", "os.open"): "/dev/null, put under stdout once its reader closed it (`| head`): no file",
     ("packer/executors.py", "logging_dir.open"): "datatrove's folder of an executor's own task logs",
     ("packer/executors.py", "folder.open"): "datatrove's folders: an executor's completion markers, and the remote "
     "side of a download (the local copy is then read through the gate)",
