@@ -50,8 +50,11 @@ def shard_digits(count: int) -> int:
     return max(SHARD_NAME_DIGITS, len(str(max(count - 1, 0))))
 
 
+EPOCH_DIR_PREFIX = "epoch-"  # a run's epoch folders: epoch-NNNNN (epoch_dir_name)
+
+
 def epoch_dir_name(epoch: int) -> str:
-    return f"epoch-{epoch:05d}"
+    return f"{EPOCH_DIR_PREFIX}{epoch:05d}"
 
 
 def metadata_text(tokenizer: str, token_size: int, tokens: int) -> str:

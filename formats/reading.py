@@ -34,6 +34,7 @@ from .fields import STAGE_FIELDS, field_problems, upgrade
 from .io.paths import as_path
 from .io.writes import TMP_MARK, fsync_dir, write_bytes_atomic
 from .io.gate import read_limited
+from .names import EPOCH_DIR_PREFIX
 
 
 def canonical_bytes(manifest: dict) -> bytes:
@@ -92,7 +93,7 @@ def read_manifest(directory: str | Path, kind: str | tuple[str, ...] | None = No
 # Its names are the format's own (constants.py, names.py, slices.py' rank files); "tokpack." and
 # "tokpack-" begin the manifest, the lock and the sidecars.
 _TRACE = re.compile(
-    rf"^(\d{{{SHARD_NAME_DIGITS},}}\.ds|rank-\d+\.ds|epoch-\d+$|{re.escape(HOLDOUT_DIR)}$|tokpack[.-])"
+    rf"^(\d{{{SHARD_NAME_DIGITS},}}\.ds|rank-\d+\.ds|{re.escape(EPOCH_DIR_PREFIX)}\d+$|{re.escape(HOLDOUT_DIR)}$|tokpack[.-])"
     rf"|{re.escape(TMP_MARK)}|^{re.escape(WORK_DIR)}$"
 )
 

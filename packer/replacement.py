@@ -24,7 +24,7 @@ from tokpack.formats.errors import TokpackError
 from tokpack.formats.constants import EPOCH, MANIFEST, PAD_DTYPE, SLICE, WORK_DIR
 from tokpack.formats.guard import OutputLock, holder_name
 from tokpack.formats.io.gate import open_files_share, read_limited
-from tokpack.formats.names import epoch_dir_name
+from tokpack.formats.names import EPOCH_DIR_PREFIX, epoch_dir_name
 from tokpack.formats.reading import parse_manifest
 from tokpack.formats.hashes import row_hashes
 from tokpack.formats.numbering import EpochNumbering
@@ -73,7 +73,7 @@ class ReplacementResult(Result):
 
 def exchanged_run(run_dir) -> bool:
     """Whether RUN was written by --to-nodes: its epochs hold row hashes and no token file."""
-    for m in sorted(Path(run_dir).glob(f"epoch-*/{MANIFEST}")):
+    for m in sorted(Path(run_dir).glob(f"{EPOCH_DIR_PREFIX}*/{MANIFEST}")):
         shards = parse_manifest(read_raw(m), m, EPOCH).get("shards") or []
         if shards:
             return tokens_on_nodes(m.parent, shards)

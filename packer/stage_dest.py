@@ -30,7 +30,7 @@ from tokpack.formats.constants import (
     STAGE_SIDECAR,
     WORK_DIR,
 )
-from tokpack.formats.names import epoch_dir_name
+from tokpack.formats.names import EPOCH_DIR_PREFIX, epoch_dir_name
 from tokpack.formats.numbering import EpochNumbering
 from tokpack.formats.reading import canonical_bytes, parse_manifest, read_manifest, require_valid, strict_json
 from tokpack.formats.shards import is_own_file, shard_suffixes
@@ -124,7 +124,7 @@ def check_dest(dest: Path, kind: str, plans: list[DirPlan]) -> None:
         # Epochs of an unfinished copy that this stage does not write: no run manifest vouches
         # for them yet, so each must come from this run (another --epochs selection of it).
         run, planned = plans[-1].manifest, {p.rel for p in plans}
-        for d in sorted(dest.glob("epoch-*/" + MANIFEST)):
+        for d in sorted(dest.glob(f"{EPOCH_DIR_PREFIX}*/{MANIFEST}")):
             if d.parent.name not in planned and not _same_run(small_manifest(d), run):
                 raise refuse_dest(dest_holds(dest, d, other_run=True), "a copy of this run")
     for path in damaged:  # removed once DEST is known to be this copy: nothing is written before
@@ -263,7 +263,7 @@ def dest_holds(dest: Path, path: Path | None = None, other_run: bool = False) ->
             if p.name == STAGE_SIDECAR:
                 held = Held(UNFINISHED["run"], f"an unfinished whole-run copy for some ranks ({p.name})", p)
             continue
-        if p.is_dir() and p.name.startswith("epoch-"):
+        if p.is_dir() and p.name.startswith(EPOCH_DIR_PREFIX):
             m = small_manifest(p / MANIFEST) if (p / MANIFEST).is_file() else None
             if m is not None and m.get("kind") == SLICE_EPOCH:
                 return Held(
@@ -309,7 +309,7 @@ def _foreign_entries(dest: Path) -> str:
     count, first = 0, []
     for p in dest.iterdir():
         ours = p.name in (LOCK_NAME, STAGE_SIDECAR) or is_tmp_name(p.name) or is_own_file(p)
-        if ours or p.is_dir() and (p.name.startswith("epoch-") or p.name in (HOLDOUT_DIR, WORK_DIR)):
+        if ours or p.is_dir() and (p.name.startswith(EPOCH_DIR_PREFIX) or p.name in (HOLDOUT_DIR, WORK_DIR)):
             continue
         count += 1
         first = heapq.nsmallest(3, [*first, p.name])
@@ -400,7 +400,7 @@ def previous_slice(dest: Path, root: dict, source: str) -> list[int]:
             raise refuse_dest(held, "nothing, or a node slice of these ranks of this run")
         # A killed stage of a slice: every epoch folder it left is this slice's (its manifest, or its rank files).
         ours = {rank_file_name(r) for r in root["ranks"]}
-        for d in sorted(q for q in dest.iterdir() if q.is_dir() and q.name.startswith("epoch-")):
+        for d in sorted(q for q in dest.iterdir() if q.is_dir() and q.name.startswith(EPOCH_DIR_PREFIX)):
             if (d / MANIFEST).is_file():
                 have = read_manifest(d, (SLICE_EPOCH, SOURCE, RUN, EPOCH), checked=False)
                 if have.get("kind") != SLICE_EPOCH:
@@ -528,7 +528,7 @@ def own_dest(dest: Path, out: Path, ranks, w: int, micro_batch: int) -> list[int
     foreign = [
         p.name
         for p in dest.iterdir()
-        if p.name not in (LOCK_NAME, MANIFEST, WORK_DIR) and not (p.name.startswith("epoch-") and p.is_dir())
+        if p.name not in (LOCK_NAME, MANIFEST, WORK_DIR) and not (p.name.startswith(EPOCH_DIR_PREFIX) and p.is_dir())
     ]
     if foreign:
         raise TokpackError(

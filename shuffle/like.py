@@ -18,6 +18,7 @@ from pathlib import Path
 
 from tokpack.formats.constants import LOCK_NAME, MANIFEST, RUN, WORK_DIR
 from tokpack.formats.io.paths import as_path, local_path
+from tokpack.formats.names import EPOCH_DIR_PREFIX
 from tokpack.formats.packing import run_holdout
 from tokpack.formats.reading import read_manifest
 
@@ -54,7 +55,7 @@ def _started_run(run_dir) -> bool:
     folder, its work folder or lock): a run that was interrupted, which its rerun finishes."""
     d = as_path(run_dir)
     try:
-        return any(p.name.startswith("epoch-") or p.name in (WORK_DIR, LOCK_NAME) for p in d.iterdir())
+        return any(p.name.startswith(EPOCH_DIR_PREFIX) or p.name in (WORK_DIR, LOCK_NAME) for p in d.iterdir())
     except (OSError, AttributeError):  # unreadable, or a bucket's prefix (no listing here): assume it may be
         return True
 

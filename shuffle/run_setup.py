@@ -19,7 +19,7 @@ from tokpack.formats.errors import TokpackError
 from tokpack.formats.constants import EPOCH, HOLDOUT_DIR, LOCK_NAME, MANIFEST, NODES_SIDECAR, RUN, WORK_DIR
 from tokpack.formats.io.writes import TMP_MARK
 from tokpack.formats.outputs import LocalOutput, Output
-from tokpack.formats.names import dtype_name, epoch_dir_name
+from tokpack.formats.names import EPOCH_DIR_PREFIX, dtype_name, epoch_dir_name
 from tokpack.formats.builders import epoch_manifest, run_manifest, ShuffleFields, TokenHeader
 from tokpack.formats.reading import read_manifest
 from tokpack.formats.numbering import shuffle_command
@@ -444,7 +444,7 @@ def existing_run(out: Path, to: Output = LocalOutput()) -> dict | None:
         p.name
         for p in listed.iterdir()
         if not (
-            p.name.startswith("epoch-")
+            p.name.startswith(EPOCH_DIR_PREFIX)
             or p.name in (WORK_DIR, LOCK_NAME, HOLDOUT_DIR, NODES_SIDECAR)
             or TMP_MARK in p.name
         )
@@ -458,7 +458,7 @@ def existing_run(out: Path, to: Output = LocalOutput()) -> dict | None:
             found=", ".join(sorted(foreign)[:5]),
             hint="choose an empty or new -o directory",
         )
-    for p in sorted(out.glob("epoch-*/" + MANIFEST)):
+    for p in sorted(out.glob(f"{EPOCH_DIR_PREFIX}*/{MANIFEST}")):
         return params_of_manifest(read_manifest(p.parent, kind=EPOCH))
     return None
 
