@@ -4,11 +4,13 @@ text datatrove writes (docs/FORMAT.md, "Shards")."""
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import numpy as np
 
 from .constants import (
+    MAX_EPOCHS,
     SHARD_NAME_DIGITS,
     TOKEN_DTYPES,
 )
@@ -51,10 +53,14 @@ def shard_digits(count: int) -> int:
 
 
 EPOCH_DIR_PREFIX = "epoch-"  # a run's epoch folders: epoch-NNNNN (epoch_dir_name)
+EPOCH_DIGITS = len(str(MAX_EPOCHS - 1))  # every epoch number's, in its folder's name
+# The name epoch_dir_name gives, its epoch the group: what only tokpack writes (not `epoch-1`,
+# nor a number past MAX_EPOCHS, which no command would take back)
+EPOCH_DIR_PATTERN = rf"{re.escape(EPOCH_DIR_PREFIX)}(\d{{{EPOCH_DIGITS}}})"
 
 
 def epoch_dir_name(epoch: int) -> str:
-    return f"{EPOCH_DIR_PREFIX}{epoch:05d}"
+    return f"{EPOCH_DIR_PREFIX}{epoch:0{EPOCH_DIGITS}d}"
 
 
 def metadata_text(tokenizer: str, token_size: int, tokens: int) -> str:

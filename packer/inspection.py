@@ -28,7 +28,7 @@ from tokpack.formats.io.paths import as_path, local_path
 from tokpack.formats.io.gate import contained
 from tokpack.formats.constants import EPOCH, HOLDOUT_DIR, MANIFEST, NODES_SIDECAR, RUN, SOURCE, STAGE_SIDECAR, WORK_DIR
 from tokpack.formats.guard import lock_holder
-from tokpack.formats.names import EPOCH_DIR_PREFIX
+from tokpack.formats.names import EPOCH_DIR_PATTERN
 from tokpack.formats.slices import contained_epoch_dir
 from tokpack.formats.numbering import shuffle_command
 from tokpack.formats.reading import manifest_kind, partial_stage_absent, read_manifest, read_source_manifest
@@ -342,8 +342,8 @@ def _epoch_name(split: str | None, epoch) -> str:
 
 # What a shuffle leaves of an epoch (or of RUN/holdout/) it began and did not commit: the epoch's
 # folder, or its scratch in the work folder (named by run_setup: the epoch's folder, "-", a key).
-_EPOCH_FOLDER = re.compile(rf"{re.escape(EPOCH_DIR_PREFIX)}(\d+)")
-_SCRATCH = re.compile(rf"(?:{re.escape(EPOCH_DIR_PREFIX)}(\d+)|{re.escape(HOLDOUT_DIR)})-[0-9a-f]+")
+_EPOCH_FOLDER = re.compile(EPOCH_DIR_PATTERN)
+_SCRATCH = re.compile(rf"(?:{EPOCH_DIR_PATTERN}|{re.escape(HOLDOUT_DIR)})-[0-9a-f]+")
 
 
 def _unfinished(directory, manifest: dict) -> dict | None:

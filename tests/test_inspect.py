@@ -337,9 +337,18 @@ def test_an_epoch_a_killed_shuffle_left_unfinished_is_reported_with_how_to_finis
     import shlex
     import socket
 
+    from tokpack.formats.constants import WORK_DIR
+
     src = write_source(tmp_path / "src", random_docs(np.random.default_rng(3), 120, 1000, 0), docs_per_shard=40)
     run = shuffle(tmp_path / "run", [src], epochs=1)
     assert inspect(run).get("unfinished") is None  # a complete run: no such field
+    # folders no shuffle writes (epoch_dir_name's five digits only): not unfinished epochs, whose
+    # hint would be a `--like --epoch 999999999999999` that shuffle refuses
+    for name in ("epoch-999999999999999", "epoch-1", "epoch-123456"):
+        (run / name).mkdir()
+        (run / WORK_DIR).mkdir(exist_ok=True)
+        (run / WORK_DIR / f"{name}-9c69ed282550ed2a").mkdir()
+    assert inspect(run).get("unfinished") is None
     left = run / epoch_dir_name(1)
     left.mkdir()
     shutil.copy(run / epoch_dir_name(0) / "00000.ds", left / "00000.ds")
