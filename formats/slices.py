@@ -54,6 +54,13 @@ def source_keys(sources: list) -> list:
     return [s.get("fingerprint") if isinstance(s, dict) else s for s in sources]
 
 
+def _settings_disagreements(run: dict, m: dict, keys, message: str) -> Iterator[tuple[str, object, object, str]]:
+    """The `keys` both manifests record with other values: an epoch's or a held-out split's against its run's."""
+    for key in keys:
+        if key in run and key in m and m[key] != run[key]:
+            yield key, f"{run[key]!r} (the run's)", repr(m[key]), message
+
+
 def epoch_disagreements(run: dict, e: int, em: dict) -> Iterator[tuple[str, object, object, str]]:
     """Each way epoch e's manifest `em` says it is not its `run`'s (where, expected, found,
     message): the settings both record (RUN_KEYS; a schedule's epochs differ in size), its
@@ -61,9 +68,8 @@ def epoch_disagreements(run: dict, e: int, em: dict) -> Iterator[tuple[str, obje
     all; `stage` and the reader refuse the first: an epoch of another run (another seed or
     sources) put in a run's place has the run's shape but other samples."""
     scheduled = "schedule" in run
-    for key in RUN_KEYS:
-        if key in run and key in em and em[key] != run[key] and not (key == "samples" and scheduled):
-            yield key, f"{run[key]!r} (the run's)", repr(em[key]), "epoch manifest belongs to another run"
+    keys = [k for k in RUN_KEYS if not (k == "samples" and scheduled)]
+    yield from _settings_disagreements(run, em, keys, "epoch manifest belongs to another run")
     ours = run.get("sources") if isinstance(run.get("sources"), list) else []
     theirs = em.get("sources") if isinstance(em.get("sources"), list) else []
     if len(theirs) == len(ours):
@@ -105,9 +111,7 @@ def holdout_disagreements(run: dict, hm: dict) -> Iterator[tuple[str, object, ob
     documents are chosen by the seed, the sources and --holdout alone, so a split of another
     run (another seed or sources, copied in) is well formed and would pass as eval data the
     run trained on."""
-    for key in HOLDOUT_KEYS:
-        if key in run and key in hm and hm[key] != run[key]:
-            yield key, f"{run[key]!r} (the run's)", repr(hm[key]), "held-out split belongs to another run"
+    yield from _settings_disagreements(run, hm, HOLDOUT_KEYS, "held-out split belongs to another run")
     held, split = holdout_recorded(hm)
     home = "packing." if rows_padded(hm) else ""  # where holdout_recorded found it
     if not split:
